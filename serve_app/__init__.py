@@ -1,0 +1,1 @@
+"""Continuous-batching LLM serving on Ray Serve."""

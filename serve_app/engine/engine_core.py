@@ -1,0 +1,62 @@
+"""EngineCore: one step = schedule() → execute_model() → update_from_output()."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+from serve_app.config import EngineConfig
+from serve_app.engine.block_manager import BlockManager
+from serve_app.engine.model_runner import ModelRunner
+from serve_app.engine.outputs import EngineCoreOutput, EngineCoreOutputs
+from serve_app.engine.request import Request
+from serve_app.engine.scheduler import Scheduler
+from serve_app.types import FinishReason
+
+
+class EngineCore:
+    """Synchronous core; not thread-safe (the async engine drives it from one thread)."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        hf_config = config.model.hf_config()
+        self.model_runner = ModelRunner(config.model, config.cache, hf_config)
+        args = self.model_runner.args
+        block_size = config.cache.block_size
+        num_blocks = self.model_runner.num_blocks
+        # the context length: the model's, the user's cap, what the KV cache can hold, the sliding window
+        limits = [args.max_position_embeddings, num_blocks * block_size]
+        if config.model.max_model_len:
+            limits.append(config.model.max_model_len)
+        if args.sliding_window:
+            limits.append(args.sliding_window)
+        self.max_model_len = min(limits)
+        self.eos_token_id = hf_config.get("eos_token_id")
+        if isinstance(self.eos_token_id, list):
+            self.eos_token_id = self.eos_token_id[0]
+        self.block_manager = BlockManager(num_blocks, block_size, config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
+        self.step_index = 0
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def finish_requests(self, request_ids: Iterable[str], reason: FinishReason = FinishReason.ABORT) -> list[EngineCoreOutput]:
+        """Abort (or, for stop strings found after detokenizing, stop) requests now, freeing their blocks."""
+        return self.scheduler.finish_requests(request_ids, reason)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> EngineCoreOutputs:
+        """Run one engine step. With nothing schedulable (e.g. a static batch still filling) it
+        returns no outputs and no scheduler stats."""
+        start = time.monotonic()
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty:
+            return EngineCoreOutputs((), None)
+        runner_output = self.model_runner.execute_model(scheduler_output)
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        stats = self.scheduler.make_stats(self.step_index, start, time.monotonic() - start, scheduler_output)
+        self.step_index += 1
+        return EngineCoreOutputs(tuple(outputs), stats)

@@ -1,0 +1,73 @@
+"""Validates and tokenizes incoming requests into engine `Request`s.
+
+Every rejection is a `ValueError` whose message starts with the offending field (`prompt`,
+`messages`, `max_tokens`, ...), raised before the request touches the scheduler.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from serve_app.engine.request import Request
+from serve_app.types import GenerateRequest
+
+
+class InputProcessor:
+    def __init__(self, model_dir: str, vocab_size: int, max_model_len: int, eos_token_id: int | None) -> None:
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.eos_token_id = eos_token_id
+        self.hf_tokenizer = None
+        if (Path(model_dir) / "tokenizer.json").is_file():
+            from transformers import AutoTokenizer
+
+            self.hf_tokenizer = AutoTokenizer.from_pretrained(model_dir)
+
+    @property
+    def tokenizer(self):
+        """The fast (Rust) tokenizer used for incremental detokenization, or None without one."""
+        return None if self.hf_tokenizer is None else self.hf_tokenizer.backend_tokenizer
+
+    def apply_chat_template(self, messages: list[dict[str, Any]] | tuple[dict[str, Any], ...]) -> list[int]:
+        if self.hf_tokenizer is None or not getattr(self.hf_tokenizer, "chat_template", None):
+            raise ValueError("messages: this model has no chat template")
+        if not messages:
+            raise ValueError("messages: must not be empty")
+        for m in messages:
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise ValueError("messages: each message needs a string 'role' and a string 'content'")
+        return list(
+            self.hf_tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True, return_dict=True)[
+                "input_ids"
+            ]
+        )
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.hf_tokenizer is None:
+                raise ValueError("prompt: this model has no tokenizer; send token ids")
+            return self.hf_tokenizer.encode(prompt, add_special_tokens=False)
+        if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in prompt):
+            raise ValueError(f"prompt: token ids must be integers in [0, {self.vocab_size})")
+        return list(prompt)
+
+    def process(self, request: GenerateRequest) -> Request:
+        if request.messages is not None:
+            token_ids = self.apply_chat_template(request.messages)
+        else:
+            token_ids = self.tokenize(request.prompt)
+        if not token_ids:
+            raise ValueError("prompt: must not be empty")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt: {len(token_ids)} tokens leave no room to generate within the context length "
+                f"of {self.max_model_len} tokens"
+            )
+        return Request(
+            request_id=request.request_id,
+            prompt_token_ids=token_ids,
+            sampling_params=request.sampling_params,
+            eos_token_id=self.eos_token_id,
+            arrival_time=request.arrival_time,
+        )

@@ -1,0 +1,82 @@
+"""LLMEngine: the synchronous engine (input processing + EngineCore + output processing + stats).
+
+Both front ends drive it: `LLM` (offline, in the caller's thread) and `AsyncLLMEngine` (from its
+background thread). Not thread-safe.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Protocol
+
+from serve_app.config import EngineConfig
+from serve_app.engine.engine_core import EngineCore
+from serve_app.engine.input_processor import InputProcessor
+from serve_app.engine.outputs import EngineCoreOutput
+from serve_app.engine.output_processor import OutputProcessor
+from serve_app.metrics.stats import SchedulerStats
+from serve_app.types import FinishReason, GenerateRequest, RequestMetrics, RequestOutput
+
+
+class StatLogger(Protocol):
+    """Receives every step's stats and every finished request's metrics (plain data)."""
+
+    def record(self, scheduler_stats: SchedulerStats | None, finished: list[tuple[FinishReason, RequestMetrics]]) -> None: ...
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, stat_loggers: Iterable[StatLogger] = ()) -> None:
+        self.config = config
+        self.core = EngineCore(config)
+        runner = self.core.model_runner
+        self.input_processor = InputProcessor(config.model.model, runner.args.vocab_size, self.core.max_model_len, self.core.eos_token_id)
+        self.output_processor = OutputProcessor(self.input_processor.tokenizer)
+        self.stat_loggers = list(stat_loggers)
+        self.last_stats: SchedulerStats | None = None
+
+    @property
+    def max_model_len(self) -> int:
+        return self.core.max_model_len
+
+    def add_request(self, request: GenerateRequest) -> None:
+        """Validate, tokenize and queue; raises ValueError (naming the field) without side effects."""
+        if self.output_processor.has_request(request.request_id):
+            raise ValueError(f"request_id: {request.request_id!r} is already in the engine")
+        engine_request = self.input_processor.process(request)
+        self.output_processor.add_request(
+            request.request_id, engine_request.prompt_token_ids, request.sampling_params, request.arrival_time
+        )
+        self.core.add_request(engine_request)
+
+    def abort(self, request_ids: Iterable[str]) -> list[RequestOutput]:
+        """Abort now; the requests' KV blocks are free when this returns."""
+        return self._finish(self.core.finish_requests(request_ids, FinishReason.ABORT))
+
+    def has_unfinished_requests(self) -> bool:
+        return self.core.has_unfinished_requests()
+
+    def step(self) -> list[RequestOutput]:
+        core_outputs = self.core.step()
+        results, stop_ids = self.output_processor.process(core_outputs.outputs)
+        if core_outputs.scheduler_stats is not None:
+            self.last_stats = core_outputs.scheduler_stats
+        self._log(core_outputs.scheduler_stats, core_outputs.outputs)
+        if stop_ids:
+            results += self._finish(self.core.finish_requests(stop_ids, FinishReason.STOP))
+        return results
+
+    def _finish(self, outputs: list[EngineCoreOutput]) -> list[RequestOutput]:
+        self._log(None, outputs)
+        return self.output_processor.process(outputs)[0]
+
+    def _log(self, stats: SchedulerStats | None, outputs: Iterable[EngineCoreOutput]) -> None:
+        if not self.stat_loggers:
+            return
+        finished = [(o.finish_reason, o.metrics) for o in outputs if o.metrics is not None]
+        if stats is None and not finished:
+            return
+        for stat_logger in self.stat_loggers:
+            stat_logger.record(stats, finished)
+
+    def next_wakeup_s(self) -> float | None:
+        return self.core.scheduler.next_wakeup_s()

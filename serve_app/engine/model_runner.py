@@ -1,0 +1,121 @@
+"""Model runner: turns a `SchedulerOutput` into one forward pass and a sampled token per finished chunk.
+
+It owns the weights and the KV cache tensors; it never decides who runs. Per step it builds the
+flattened batch (decode tokens first, then prompt chunks), the slot mapping and block tables, runs
+the model, computes logits only for the rows that sample, and samples.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+from serve_app.config import CacheConfig, ModelConfig
+from serve_app.engine import cpu_kernels
+from serve_app.engine.attention import AttentionMetadata, PrefillChunk
+from serve_app.engine.models.llama import LlamaArgs
+from serve_app.engine.models.loader import load_model
+from serve_app.engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from serve_app.engine.sampler import sample
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def kv_cache_bytes_per_block(args: LlamaArgs, block_size: int, dtype: torch.dtype) -> int:
+    return 2 * args.num_layers * block_size * args.num_kv_heads * args.head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+class ModelRunner:
+    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, hf_config: dict[str, Any]) -> None:
+        self.device = torch.device(model_config.device)
+        self.dtype = DTYPES[model_config.dtype]
+        self.block_size = cache_config.block_size
+        t0 = time.monotonic()
+        self.model = load_model(model_config.model, hf_config, self.dtype, model_config.device)
+        self.args = self.model.args
+        per_block = kv_cache_bytes_per_block(self.args, self.block_size, self.dtype)
+        self.num_blocks = cache_config.num_blocks or int(cache_config.kv_cache_memory_gib * 2**30 // per_block)
+        if self.num_blocks < 1:
+            raise ValueError("kv_cache_memory_gib: too small for a single KV block")
+        shape = (self.num_blocks, self.block_size, self.args.num_kv_heads, self.args.head_dim)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(shape, dtype=self.dtype, device=self.device))
+            for _ in range(self.args.num_layers)
+        ]
+        self.kv_cache_bytes = per_block * self.num_blocks
+        self.decode_kernel = cpu_kernels.paged_decode_kernel() if self.device.type == "cpu" else None
+        self.generator = torch.Generator(device=self.device).manual_seed(model_config.seed)
+        logger.info(
+            "model loaded in %.1fs: %d layers, KV cache %d blocks x %d tokens (%.0f MiB), decode kernel: %s",
+            time.monotonic() - t0, self.args.num_layers, self.num_blocks, self.block_size,
+            self.kv_cache_bytes / 2**20, "C++" if self.decode_kernel else "torch",
+        )
+
+    def _tensor(self, data: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
+        return torch.tensor(data, dtype=dtype, device=self.device)
+
+    def _slots(self, sched: ScheduledRequest) -> list[int]:
+        bs, table = self.block_size, sched.block_table
+        return [table[p // bs] * bs + p % bs for p in range(sched.start_pos, sched.context_len)]
+
+    def prepare(self, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """`scheduled` must list single-token chunks (decodes) first."""
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        decodes = [s for s in scheduled if s.num_tokens == 1]
+        for s in scheduled:
+            input_ids.extend(s.token_ids)
+            positions.extend(range(s.start_pos, s.context_len))
+            slots.extend(self._slots(s))
+        block_tables = context_lens = mask = None
+        if decodes:
+            max_blocks = max(len(s.block_table) for s in decodes)
+            block_tables = self._tensor([list(s.block_table) + [0] * (max_blocks - len(s.block_table)) for s in decodes])
+            context_lens = self._tensor([s.context_len for s in decodes], torch.int32)
+            if self.decode_kernel is None:
+                keys = torch.arange(max_blocks * self.block_size, device=self.device)
+                mask = (keys.unsqueeze(0) < context_lens.unsqueeze(1)).view(len(decodes), 1, 1, -1)
+        prefills = []
+        offset = len(decodes)
+        for s in scheduled[len(decodes) :]:
+            table = chunk_mask = None
+            if s.start_pos > 0:
+                table = self._tensor(list(s.block_table))
+                q_pos = torch.arange(s.start_pos, s.context_len, device=self.device)
+                chunk_mask = torch.arange(s.context_len, device=self.device).unsqueeze(0) <= q_pos.unsqueeze(1)
+            prefills.append(PrefillChunk(offset, s.num_tokens, s.start_pos, table, chunk_mask))
+            offset += s.num_tokens
+        meta = AttentionMetadata(
+            slot_mapping=self._tensor(slots),
+            num_decodes=len(decodes),
+            decode_block_tables=block_tables,
+            decode_context_lens=context_lens,
+            decode_mask=mask,
+            prefills=tuple(prefills),
+            decode_kernel=self.decode_kernel,
+        )
+        return self._tensor(input_ids), self._tensor(positions), meta
+
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        scheduled = sorted(scheduler_output.scheduled, key=lambda s: s.num_tokens != 1)  # stable: decodes first
+        input_ids, positions, meta = self.prepare(scheduled)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        rows, samplers = [], []
+        end = 0
+        for s in scheduled:
+            end += s.num_tokens
+            if s.sample:
+                rows.append(end - 1)
+                samplers.append(s)
+        if not samplers:
+            return ModelRunnerOutput((), ())
+        logits = self.model.compute_logits(hidden[self._tensor(rows)])
+        token_ids = sample(logits, [s.sampling_params for s in samplers], [s.generator_key for s in samplers], self.generator)
+        return ModelRunnerOutput(tuple(s.request_id for s in samplers), tuple(token_ids))

@@ -1,0 +1,94 @@
+"""Turns engine-core outputs (token ids) into `RequestOutput` deltas (text + token ids).
+
+Stop strings are found here, after detokenizing: such a request is reported in `stop_ids`, and the
+caller finishes it in the core (`EngineCore.finish_requests(ids, FinishReason.STOP)`), whose output
+then closes the stream with the truncated text.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from tokenizers import Tokenizer
+
+from serve_app.engine.detokenizer import IncrementalDetokenizer
+from serve_app.engine.outputs import EngineCoreOutput
+from serve_app.types import RequestMetrics, RequestOutput, SamplingParams
+
+
+@dataclass
+class _RequestState:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    arrival_time: float
+    detokenizer: IncrementalDetokenizer | None
+    pending_token_ids: list[int] = field(default_factory=list)
+    num_generated: int = 0
+    first_token_time: float | None = None
+    stop_requested: bool = False
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer | None) -> None:
+        self._tokenizer = tokenizer
+        self._states: dict[str, _RequestState] = {}
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival_time: float) -> None:
+        detok = IncrementalDetokenizer(self._tokenizer, params) if self._tokenizer is not None else None
+        self._states[request_id] = _RequestState(request_id, tuple(prompt_token_ids), arrival_time, detok)
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._states
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def process(self, outputs: tuple[EngineCoreOutput, ...] | list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+        """Returns (deltas to deliver, ids of requests that hit a stop string and must be finished)."""
+        now = time.monotonic()
+        results: list[RequestOutput] = []
+        stop_ids: list[str] = []
+        for out in outputs:
+            state = self._states.get(out.request_id)
+            if state is None:
+                continue
+            if out.new_token_ids:
+                if state.first_token_time is None:
+                    state.first_token_time = now
+                state.num_generated += len(out.new_token_ids)
+                if not state.stop_requested:
+                    state.pending_token_ids.extend(out.new_token_ids)
+                    if state.detokenizer is not None:
+                        state.detokenizer.update(out.new_token_ids)
+            finished = out.finish_reason is not None
+            if not finished and state.detokenizer is not None and state.detokenizer.stopped:
+                if not state.stop_requested:
+                    state.stop_requested = True
+                    stop_ids.append(out.request_id)
+                continue
+            if not finished and not out.new_token_ids:
+                continue
+            text = state.detokenizer.take_delta(finished) if state.detokenizer is not None else ""
+            metrics = out.metrics or RequestMetrics(
+                arrival_time=state.arrival_time,
+                first_token_time=state.first_token_time,
+                num_prompt_tokens=len(state.prompt_token_ids),
+                num_generation_tokens=state.num_generated,
+            )
+            results.append(
+                RequestOutput(
+                    request_id=out.request_id,
+                    text=text,
+                    token_ids=tuple(state.pending_token_ids),
+                    finished=finished,
+                    finish_reason=out.finish_reason,
+                    num_prompt_tokens=len(state.prompt_token_ids),
+                    metrics=metrics,
+                    prompt_token_ids=state.prompt_token_ids,
+                )
+            )
+            state.pending_token_ids.clear()
+            if finished:
+                del self._states[out.request_id]
+        return results, stop_ids

@@ -1,0 +1,71 @@
+"""Frozen hand-offs between the engine's stages: scheduler → model runner → scheduler → caller."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from serve_app.metrics.stats import SchedulerStats
+from serve_app.types import FinishReason, RequestMetrics, SamplingParams
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """What the model runner needs to compute `token_ids` for one request this step.
+
+    `token_ids` sit at positions `start_pos .. start_pos + len(token_ids) - 1`; the block table covers
+    them all. `sample` is True when this chunk reaches the request's last token, so its logits
+    pick the next token.
+    """
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    start_pos: int
+    block_table: tuple[int, ...]
+    sample: bool
+    reads_prompt: bool  # for stats only: some of these tokens are prompt tokens
+    sampling_params: SamplingParams
+    generator_key: int | None  # seed-derived key of this request's next sample (None: unseeded)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def context_len(self) -> int:
+        return self.start_pos + len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    scheduled: tuple[ScheduledRequest, ...]
+    num_batched_tokens: int
+    preempted_ids: tuple[str, ...] = ()
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass(frozen=True)
+class ModelRunnerOutput:
+    """Sampled token per request that had `sample=True`, in scheduling order."""
+
+    request_ids: tuple[str, ...]
+    sampled_token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class EngineCoreOutput:
+    """New tokens of one request after a step; `finish_reason` set when it finished this step."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    finish_reason: FinishReason | None = None
+    stop_reason: int | None = None  # the stop token id that ended it, if any
+    metrics: RequestMetrics | None = None  # set when finished
+
+
+@dataclass(frozen=True)
+class EngineCoreOutputs:
+    outputs: tuple[EngineCoreOutput, ...]
+    scheduler_stats: SchedulerStats | None  # None when nothing ran (e.g. a static batch still filling)

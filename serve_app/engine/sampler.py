@@ -1,0 +1,60 @@
+"""Batched token sampling: pure functions over a logits matrix and per-row parameters.
+
+Sampling uses the exponential race: argmax(probs / E) with E ~ Exp(1) draws from `probs`. Each
+row's noise comes from its own generator when the request has a seed (keyed by seed and output
+index, so its samples do not depend on the batch it shares), else from the engine's generator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from serve_app.types import SamplingParams
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask logits outside each row's top-k and nucleus (top-p) sets with -inf.
+
+    logits: [S, V] float; top_k: [S] long (V = disabled); top_p: [S] float (1.0 = disabled).
+    The most likely token always survives.
+    """
+    sorted_logits, order = logits.sort(dim=-1, descending=True)  # [S, V]
+    vocab = logits.shape[-1]
+    ranks = torch.arange(vocab, device=logits.device).expand_as(sorted_logits)
+    drop = ranks >= top_k.unsqueeze(1)
+    probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+    # drop a token when the tokens ranked above it already reach top_p
+    drop |= (probs.cumsum(dim=-1) - probs) >= top_p.unsqueeze(1)
+    drop[:, 0] = False
+    return logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+
+
+def sample(
+    logits: torch.Tensor,  # [S, V] fp32
+    params: Sequence[SamplingParams],
+    generator_keys: Sequence[int | None],
+    generator: torch.Generator,
+) -> list[int]:
+    """One next-token id per row."""
+    greedy_ids = logits.argmax(dim=-1)
+    if all(p.greedy for p in params):
+        return greedy_ids.tolist()
+    device = logits.device
+    vocab = logits.shape[-1]
+    temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=device)
+    logits = logits / temps.unsqueeze(1)
+    if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
+        top_p = torch.tensor([p.top_p for p in params], device=device)
+        logits = apply_top_k_top_p(logits, top_k, top_p)
+    probs = logits.softmax(dim=-1)
+    noise = torch.empty_like(probs).exponential_(generator=generator)
+    for row, key in enumerate(generator_keys):
+        if key is not None and not params[row].greedy:
+            g = torch.Generator(device=device).manual_seed(key & 0x7FFF_FFFF_FFFF_FFFF)
+            noise[row].exponential_(generator=g)
+    sampled = (probs / noise).argmax(dim=-1)
+    greedy_rows = torch.tensor([p.greedy for p in params], device=device)
+    return torch.where(greedy_rows, greedy_ids, sampled).tolist()

@@ -1,0 +1,263 @@
+"""Iteration-level scheduler: decides who runs in each step and how many tokens each computes.
+
+Each step: running requests first (decodes and unfinished prompt chunks, in arrival order), then
+waiting requests in FCFS order, within `max_num_seqs` sequences and `max_num_batched_tokens` tokens.
+A prompt longer than the remaining budget is split across steps (chunked prefill) and shares its
+steps with other requests' decodes. When the KV cache runs out, the newest running request is
+preempted: its blocks are freed and it waits at the head of the queue to be recomputed (its output
+so far is kept, so it resumes where it was).
+
+The batching policy only changes admission from the waiting queue (see `SchedulerConfig`).
+The scheduler never touches tensors.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+
+from serve_app.config import SchedulerConfig
+from serve_app.engine.block_manager import BlockManager
+from serve_app.engine.outputs import (
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+)
+from serve_app.engine.request import Request, RequestStatus
+from serve_app.metrics.stats import SchedulerStats
+from serve_app.types import FinishReason, RequestMetrics
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        block_manager: BlockManager,
+        max_model_len: int,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.max_model_len = max_model_len
+        self.clock = clock
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        # static/dynamic: members of the batch in flight; admission is closed to everyone else
+        self._batch_ids: set[str] = set()
+        self._step_preempted = 0
+        self._step_prefix_queries = 0
+        self._step_prefix_hits = 0
+
+    # ---- queue management ----------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id: {request.request_id!r} is already in the engine")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, request_ids: Iterable[str], reason: FinishReason = FinishReason.ABORT) -> list[EngineCoreOutput]:
+        """Finish the given requests now (unknown ids are ignored) and free their blocks at once."""
+        outputs = []
+        for rid in request_ids:
+            request = self.requests.get(rid)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            outputs.append(EngineCoreOutput(rid, (), reason, metrics=self._finish(request, reason)))
+        return outputs
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ---- scheduling ----------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        now = self.clock()
+        budget = self.config.max_num_batched_tokens
+        chunked = self.config.enable_chunked_prefill
+        picked: list[tuple[Request, int]] = []
+        preempted: list[Request] = []
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = request.num_tokens - request.num_computed_tokens
+            if not chunked and num_new > budget:
+                i += 1
+                continue
+            num_new = min(num_new, budget)
+            while not self.block_manager.allocate_slots(request, num_new):
+                victim = self.running.pop()  # newest first; never one already picked (they sit before i)
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+            if request.status != RequestStatus.RUNNING:
+                break
+            picked.append((request, num_new))
+            budget -= num_new
+            i += 1
+
+        if not preempted:
+            self._open_batch(now)
+            while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+                request = self.waiting[0]
+                if self.config.batching != "continuous" and request.request_id not in self._batch_ids:
+                    break
+                cached = self.block_manager.find_cached_prefix(request)
+                num_cached = len(cached) * self.block_manager.block_size
+                num_new = request.num_tokens - num_cached
+                if not chunked and num_new > budget:
+                    break
+                num_new = min(num_new, budget)
+                if not self.block_manager.allocate_slots(request, num_new, cached):
+                    break
+                self.waiting.popleft()
+                self.running.append(request)
+                request.status = RequestStatus.RUNNING
+                request.num_computed_tokens = num_cached
+                self._step_prefix_queries += request.num_tokens
+                self._step_prefix_hits += num_cached
+                if request.first_scheduled_time is None:
+                    request.first_scheduled_time = now
+                    request.num_cached_tokens = num_cached
+                picked.append((request, num_new))
+                budget -= num_new
+
+        scheduled = tuple(self._to_scheduled(request, num_new) for request, num_new in picked)
+        for request, num_new in picked:
+            request.num_computed_tokens += num_new
+        self._step_preempted += len(preempted)
+        return SchedulerOutput(
+            scheduled=scheduled,
+            num_batched_tokens=self.config.max_num_batched_tokens - budget,
+            preempted_ids=tuple(r.request_id for r in preempted),
+        )
+
+    def _open_batch(self, now: float) -> None:
+        """static/dynamic: when the previous batch has drained, choose the next one from the queue head."""
+        if self.config.batching == "continuous" or self._batch_ids or not self.waiting:
+            return
+        full = len(self.waiting) >= self.config.batch_size
+        if full or now - self.waiting[0].arrival_time >= self.config.batch_timeout_s:
+            self._batch_ids = {r.request_id for _, r in zip(range(self.config.batch_size), self.waiting, strict=False)}
+
+    def next_wakeup_s(self) -> float | None:
+        """Seconds until a waiting batch's timeout opens it (static/dynamic); None if not waiting for one."""
+        if self.config.batching == "continuous" or self._batch_ids or not self.waiting or self.running:
+            return None
+        return max(0.0, self.waiting[0].arrival_time + self.config.batch_timeout_s - self.clock())
+
+    def _to_scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        sample = start + num_new == request.num_tokens
+        seed = request.sampling_params.seed
+        return ScheduledRequest(
+            request_id=request.request_id,
+            token_ids=tuple(request.all_token_ids[start : start + num_new]),
+            start_pos=start,
+            block_table=tuple(self.block_manager.block_table(request.request_id)),
+            sample=sample,
+            reads_prompt=start < request.num_prompt_tokens,
+            sampling_params=request.sampling_params,
+            generator_key=None if seed is None else hash((seed, request.num_output_tokens)),
+        )
+
+    def _preempt(self, request: Request) -> None:
+        self.block_manager.free(request.request_id)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    # ---- results -------------------------------------------------------------------------------
+    def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """Append sampled tokens, apply stop conditions, free finished requests."""
+        now = self.clock()
+        outputs = []
+        for request_id, token_id in zip(runner_output.request_ids, runner_output.sampled_token_ids, strict=True):
+            request = self.requests.get(request_id)
+            if request is None:  # aborted while the step ran
+                continue
+            request.append_output_token(token_id)
+            if request.first_token_time is None:
+                request.first_token_time = now
+            reason, stop_token = self._check_stop(request, token_id)
+            metrics = None
+            if reason is not None:
+                self.running.remove(request)
+                metrics = self._finish(request, reason, now)
+            outputs.append(EngineCoreOutput(request_id, (token_id,), reason, stop_token, metrics))
+        for sched in scheduler_output.scheduled:
+            request = self.requests.get(sched.request_id)
+            if request is not None:
+                self.block_manager.cache_full_blocks(request)
+        return outputs
+
+    def _check_stop(self, request: Request, token_id: int) -> tuple[FinishReason | None, int | None]:
+        params = request.sampling_params
+        if token_id == request.eos_token_id and not params.ignore_eos:
+            return FinishReason.STOP, None
+        if token_id in params.stop_token_ids:
+            return FinishReason.STOP, token_id
+        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH, None
+        return None, None
+
+    def _finish(self, request: Request, reason: FinishReason, now: float | None = None) -> RequestMetrics:
+        now = self.clock() if now is None else now
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        request.finished_time = now
+        self.block_manager.free(request.request_id)
+        del self.requests[request.request_id]
+        self._batch_ids.discard(request.request_id)
+        return RequestMetrics(
+            arrival_time=request.arrival_time,
+            first_scheduled_time=request.first_scheduled_time,
+            first_token_time=request.first_token_time,
+            finished_time=now,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_generation_tokens=request.num_output_tokens,
+            num_cached_tokens=request.num_cached_tokens,
+            num_preemptions=request.num_preemptions,
+        )
+
+    # ---- stats ---------------------------------------------------------------------------------
+    def make_stats(self, step_index: int, start: float, duration_s: float, output: SchedulerOutput) -> SchedulerStats:
+        """Stats of the step just run; resets the per-step counters."""
+        bm = self.block_manager
+        batch = tuple((s.request_id, s.num_tokens, s.reads_prompt) for s in output.scheduled)
+        prefill = sum(n for _, n, is_prefill in batch if is_prefill)
+        stats = SchedulerStats(
+            step_index=step_index,
+            step_start_time=start,
+            step_duration_s=duration_s,
+            num_scheduled_seqs=len(output.scheduled),
+            num_prefill_tokens=prefill,
+            num_decode_tokens=output.num_batched_tokens - prefill,
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_preempted=self._step_preempted,
+            kv_cache_usage=bm.usage,
+            num_free_blocks=bm.num_free_blocks,
+            num_total_blocks=bm.num_blocks,
+            prefix_cache_queries=self._step_prefix_queries,
+            prefix_cache_hits=self._step_prefix_hits,
+            batch=batch,
+        )
+        self._step_preempted = self._step_prefix_queries = self._step_prefix_hits = 0
+        return stats

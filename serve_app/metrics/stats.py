@@ -1,0 +1,37 @@
+"""Engine statistics as plain data, made where the data lives (the scheduler).
+
+Per-request timings are `serve_app.types.RequestMetrics`, attached to each finished output.
+
+Exporting them (Prometheus through Ray or prometheus_client) is a logger's job, elsewhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    """One engine step."""
+
+    step_index: int
+    step_start_time: float  # monotonic
+    step_duration_s: float
+    num_scheduled_seqs: int  # batch size of the step
+    num_prefill_tokens: int  # tokens of requests still reading their prompt
+    num_decode_tokens: int
+    num_running: int
+    num_waiting: int
+    num_preempted: int  # preemptions made in this step
+    kv_cache_usage: float  # used / total blocks after the step
+    num_free_blocks: int
+    num_total_blocks: int
+    prefix_cache_queries: int  # tokens looked up in this step
+    prefix_cache_hits: int
+    # (request_id, num_tokens computed, prompt still being read) for each request in the batch:
+    # enough to draw who was in which batch (W2 timelines)
+    batch: tuple[tuple[str, int, bool], ...] = ()
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prefill_tokens + self.num_decode_tokens
