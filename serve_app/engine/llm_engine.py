@@ -13,6 +13,7 @@ from serve_app.config import EngineConfig
 from serve_app.engine.engine_core import EngineCore
 from serve_app.engine.input_processor import InputProcessor
 from serve_app.engine.outputs import EngineCoreOutput
+from serve_app.engine.request import Request
 from serve_app.engine.output_processor import OutputProcessor
 from serve_app.metrics.stats import SchedulerStats
 from serve_app.types import FinishReason, GenerateRequest, RequestMetrics, RequestOutput
@@ -42,7 +43,10 @@ class LLMEngine:
         """Validate, tokenize and queue; raises ValueError (naming the field) without side effects."""
         if self.output_processor.has_request(request.request_id):
             raise ValueError(f"request_id: {request.request_id!r} is already in the engine")
-        engine_request = self.input_processor.process(request)
+        self.add_processed(request, self.input_processor.process(request))
+
+    def add_processed(self, request: GenerateRequest, engine_request: Request) -> None:
+        """Queue a request already validated by `input_processor.process`."""
         self.output_processor.add_request(
             request.request_id, engine_request.prompt_token_ids, request.sampling_params, request.arrival_time
         )

@@ -1,0 +1,179 @@
+"""AsyncLLMEngine: the engine behind an asyncio server.
+
+The step loop runs in a background thread (torch releases the GIL in its kernels), so the event
+loop is never blocked by a step. Requests and aborts reach the thread through a queue; outputs come
+back to each request's asyncio queue with `call_soon_threadsafe`.
+
+Contracts:
+- `generate(request)` validates at once (ValueError naming the field) and then yields
+  `RequestOutput` deltas until one has `finished=True`.
+- Leaving the iteration early (client disconnect, cancellation) aborts the request; `abort()`
+  returns once the request's KV blocks are free.
+- If a step raises, every waiting caller gets `EngineDeadError` (no hang) and `check_health()`
+  raises from then on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass
+
+from serve_app.config import EngineConfig
+from serve_app.engine.llm_engine import LLMEngine, StatLogger
+from serve_app.engine.request import Request
+from serve_app.types import GenerateRequest, RequestOutput
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped after an error; the replica must be replaced."""
+
+
+@dataclass(frozen=True)
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """A snapshot of the engine's load, for request routing."""
+
+    kv_cache_usage: float
+    num_free_blocks: int
+    num_total_blocks: int
+    num_running: int
+    num_waiting: int
+
+
+class AsyncLLMEngine:
+    def __init__(self, config: EngineConfig, stat_loggers: Iterable[StatLogger] = ()) -> None:
+        self.engine = LLMEngine(config, stat_loggers)
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._error: BaseException | None = None
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_kwargs(cls, model: str, stat_loggers: Iterable[StatLogger] = (), **kwargs) -> AsyncLLMEngine:
+        return cls(EngineConfig.from_kwargs(model, **kwargs), stat_loggers)
+
+    # ---- public API (event-loop side) -----------------------------------------------------------
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        self.check_health()
+        if request.request_id in self._streams:
+            raise ValueError(f"request_id: {request.request_id!r} is already in the engine")
+        engine_request = self.engine.input_processor.process(request)  # raises ValueError on bad input
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        self._streams[request.request_id] = stream
+        self._inbox.put(("add", request, engine_request))
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self._inbox.put(("abort", request.request_id, None))
+            self._streams.pop(request.request_id, None)
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request; returns when its KV blocks are free."""
+        done = asyncio.get_running_loop().create_future()
+        self._inbox.put(("abort", request_id, done))
+        if not self._stopped.is_set():
+            await done
+
+    def load(self) -> EngineLoad:
+        """Thread-safe enough for routing: plain counters read without locking."""
+        bm = self.engine.core.block_manager
+        sched = self.engine.core.scheduler
+        return EngineLoad(bm.usage, bm.num_free_blocks, bm.num_blocks, sched.num_running, sched.num_waiting)
+
+    def check_health(self) -> None:
+        if self._error is not None:
+            raise EngineDeadError(f"engine loop died: {self._error!r}") from self._error
+        if not self._thread.is_alive():
+            raise EngineDeadError("engine loop is not running")
+
+    def shutdown(self) -> None:
+        self._stopped.set()
+        self._inbox.put(("stop", None, None))
+        self._thread.join(timeout=10)
+
+    # ---- engine thread ---------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stopped.is_set():
+                self._drain_inbox(block=not self.engine.has_unfinished_requests())
+                if self._stopped.is_set():
+                    break
+                if self.engine.has_unfinished_requests():
+                    outputs = self.engine.step()
+                    self._deliver(outputs)
+                    if not outputs and (wait := self.engine.next_wakeup_s()):
+                        self._drain_inbox(block=True, timeout=min(wait, 0.01))
+        except BaseException as exc:  # noqa: BLE001 - any failure must reach the callers
+            logger.exception("engine loop died")
+            self._error = exc
+            dead = EngineDeadError(f"engine loop died: {exc!r}")
+            for stream in list(self._streams.values()):
+                stream.put(dead)
+        finally:
+            self._stopped.set()
+            while True:  # release anyone waiting on an abort
+                try:
+                    kind, _, arg = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if kind == "abort" and arg is not None:
+                    _resolve(arg)
+
+    def _drain_inbox(self, block: bool, timeout: float | None = None) -> None:
+        while True:
+            try:
+                kind, payload, arg = self._inbox.get(block=block, timeout=timeout)
+            except queue.Empty:
+                return
+            block = False
+            if kind == "stop":
+                return
+            if kind == "add":
+                self._add(payload, arg)
+            elif kind == "abort":
+                self._deliver(self.engine.abort([payload]))
+                if arg is not None:
+                    _resolve(arg)
+
+    def _add(self, request: GenerateRequest, engine_request: Request) -> None:
+        if request.request_id in self._streams:  # else the caller left before the request got here
+            self.engine.add_processed(request, engine_request)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                stream.put(out)
+
+
+def _resolve(future: asyncio.Future) -> None:
+    future.get_loop().call_soon_threadsafe(lambda: future.done() or future.set_result(None))
