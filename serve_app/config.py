@@ -115,3 +115,106 @@ class EngineConfig:
                 raise ValueError(f"{key}: not an engine option")
             parts[owner][key] = value
         return cls(ModelConfig(**parts[ModelConfig]), CacheConfig(**parts[CacheConfig]), SchedulerConfig(**parts[SchedulerConfig]))
+
+
+BACKENDS = ("native",)
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """How the Ray Serve application is deployed (`serve_app.serving.app.build_app`).
+
+    Built once on the driver from a Serve YAML's `args` (`from_dict`), validated here, then handed to
+    every replica as is. Engine options live in `engine` (flat `EngineConfig.from_kwargs` names such
+    as `dtype`, `device`, `max_num_seqs`, `kv_cache_memory_gib`), stored as sorted (name, value) pairs
+    so the config stays frozen and picklable.
+
+    Capacity: each LLMServer replica holds at most `max_ongoing_requests` requests (they all enter
+    its engine, whose scheduler runs `max_num_seqs` of them at once); beyond that each caller queues
+    up to `max_queued_requests`, and anything more is answered 503 with `Retry-After`.
+    `torch_num_threads` 0 means every core of the machine (Ray pins fractional-CPU actors to one
+    OpenMP thread otherwise). The API key comes from `api_key`, else from the environment variable
+    named by `api_key_env` when the app is built; empty means no authentication.
+    `stat_logger_factories` are "module:callable" paths, each called in the replica as
+    `factory(config)` to make one engine `StatLogger`.
+    """
+
+    model: str
+    served_model_name: str = ""
+    backend: str = "native"
+    engine: tuple[tuple[str, Any], ...] = ()
+    # LLMServer deployment
+    num_replicas: int = 1
+    num_cpus_per_replica: float = 0.5
+    num_gpus_per_replica: float = 0.0
+    torch_num_threads: int = 0
+    max_ongoing_requests: int = 64
+    max_queued_requests: int = 128
+    request_routing_stats_period_s: float = 0.5
+    request_router_class: str = ""  # import path of a Serve RequestRouter; "" = Serve's default
+    health_check_period_s: float = 2.0
+    health_check_timeout_s: float = 30.0
+    graceful_shutdown_timeout_s: float = 5.0
+    stat_logger_factories: tuple[str, ...] = ()
+    # OpenAIIngress deployment
+    ingress_num_replicas: int = 1
+    ingress_num_cpus: float = 0.1
+    ingress_max_ongoing_requests: int = 1024
+    ingress_max_queued_requests: int = 256
+    request_timeout_s: float = 600.0
+    max_request_bytes: int = 1 << 20
+    max_n: int = 8
+    replica_failure_retries: int = 1
+    retry_after_s: int = 1
+    api_key: str = field(default="", repr=False)
+    api_key_env: str = "SERVE_APP_API_KEY"
+    log_requests: bool = False  # log prompts and outputs (off: only ids, sizes and timings)
+
+    def __post_init__(self) -> None:
+        engine = self.engine.items() if isinstance(self.engine, dict) else self.engine
+        object.__setattr__(self, "engine", tuple(sorted((str(k), v) for k, v in engine)))
+        object.__setattr__(self, "stat_logger_factories", tuple(self.stat_logger_factories))
+        _require(bool(self.model), "model", "a model directory is required")
+        _require(self.backend in BACKENDS, "backend", f"must be one of {BACKENDS}, got {self.backend!r}")
+        self.engine_config()  # validates the engine options (names and values)
+        for name in ("num_replicas", "ingress_num_replicas", "max_ongoing_requests", "ingress_max_ongoing_requests", "max_n"):
+            _require(isinstance(getattr(self, name), int) and getattr(self, name) >= 1, name, "must be an integer >= 1")
+        for name in ("max_queued_requests", "ingress_max_queued_requests"):
+            _require(isinstance(getattr(self, name), int) and (getattr(self, name) >= 1 or getattr(self, name) == -1), name, "must be >= 1, or -1 for no limit")
+        for name in ("num_cpus_per_replica", "num_gpus_per_replica", "ingress_num_cpus"):
+            _require(getattr(self, name) >= 0, name, "must be >= 0")
+        for name in ("request_routing_stats_period_s", "health_check_period_s", "health_check_timeout_s", "request_timeout_s", "graceful_shutdown_timeout_s"):
+            _require(getattr(self, name) > 0, name, "must be > 0")
+        _require(self.torch_num_threads >= 0, "torch_num_threads", "must be >= 0 (0: all cores)")
+        _require(self.max_request_bytes >= 1024, "max_request_bytes", "must be >= 1024")
+        _require(self.replica_failure_retries >= 0, "replica_failure_retries", "must be >= 0")
+        _require(self.retry_after_s >= 0, "retry_after_s", "must be >= 0")
+        for path in self.stat_logger_factories:
+            _require(isinstance(path, str) and ":" in path, "stat_logger_factories", f"expected 'module:callable', got {path!r}")
+        if self.request_router_class:
+            _require("." in self.request_router_class or ":" in self.request_router_class, "request_router_class", "expected an import path")
+
+    @classmethod
+    def from_dict(cls, args: dict[str, Any]) -> ServeConfig:
+        """From a Serve YAML's `args` mapping; unknown keys raise ValueError."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(args) - known)
+        if unknown:
+            raise ValueError(f"{unknown[0]}: not a serving option (known: {', '.join(sorted(known))})")
+        values = dict(args)
+        for name in ("stat_logger_factories",):
+            if name in values and isinstance(values[name], str):
+                values[name] = (values[name],)
+        return cls(**values)
+
+    @property
+    def model_name(self) -> str:
+        """The name clients put in `model`."""
+        return self.served_model_name or Path(self.model).name
+
+    @property
+    def engine_kwargs(self) -> dict[str, Any]:
+        return dict(self.engine)
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig.from_kwargs(self.model, **self.engine_kwargs)

@@ -1,0 +1,21 @@
+"""Inference backends behind one interface (`Backend`); `make_backend` picks one by name."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from serve_app.backends.base import Backend, BackendDeadError, ModelInfo, RoutingStats
+from serve_app.config import ServeConfig
+
+
+def make_backend(config: ServeConfig, stat_loggers: Sequence[Any] = ()) -> Backend:
+    """The backend named by `config.backend` (not started yet)."""
+    if config.backend == "native":
+        from serve_app.backends.native import NativeBackend
+
+        return NativeBackend(config.engine_config(), config.model_name, stat_loggers)
+    raise ValueError(f"backend: unknown backend {config.backend!r}")
+
+
+__all__ = ["Backend", "BackendDeadError", "ModelInfo", "RoutingStats", "make_backend"]

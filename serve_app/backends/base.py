@@ -1,0 +1,83 @@
+"""The `Backend` interface: what an LLMServer replica needs from an inference engine.
+
+One backend instance lives in one replica and serves many concurrent requests from that replica's
+event loop. Implementations: `native` (this repository's engine); others (vLLM) plug in the same way.
+
+Contracts:
+- `start()` is awaited once before anything else; it loads the model and may take seconds.
+- `generate(request)` is an async iterator of `RequestOutput` *deltas* (text and token ids new since
+  the previous item), ending with one whose `finished` is True. Invalid input raises `ValueError`
+  whose message starts with the field name ("prompt: ...", "max_tokens: ...") from the first
+  iteration, before anything is queued. Leaving the iteration early (`aclose()`, task cancellation)
+  aborts the request and frees its KV cache.
+- `abort(request_id)` returns once the request's resources are free (no-op for unknown ids).
+- `routing_stats()` is cheap and non-blocking (called every routing-stats period).
+- `check_health()` raises when the backend can no longer serve (e.g. its engine loop died), so that
+  Ray Serve replaces the replica.
+- `shutdown()` releases the engine; idempotent.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator
+from dataclasses import asdict, dataclass
+
+from serve_app.types import GenerateRequest, RequestOutput
+
+
+@dataclass(frozen=True)
+class RoutingStats:
+    """A replica's load as published to request routers (`record_routing_stats`)."""
+
+    kv_cache_usage: float  # used / total KV blocks, 0-1
+    num_free_blocks: int
+    num_total_blocks: int
+    num_waiting: int
+    num_running: int
+
+    def as_dict(self) -> dict[str, float | int]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the API layer needs to know about the served model."""
+
+    name: str
+    max_model_len: int
+    backend: str
+
+
+class BackendDeadError(RuntimeError):
+    """The backend cannot serve any more requests; the replica must be replaced."""
+
+
+class Backend(ABC):
+    @abstractmethod
+    async def start(self) -> None:
+        """Load the model and start the engine."""
+
+    @abstractmethod
+    def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        """Stream `RequestOutput` deltas for one request (see the module docstring)."""
+
+    @abstractmethod
+    async def abort(self, request_id: str) -> None:
+        """Abort a request; returns once its resources are free."""
+
+    @abstractmethod
+    def routing_stats(self) -> RoutingStats:
+        """Current load, cheap enough to call every fraction of a second."""
+
+    @abstractmethod
+    def model_info(self) -> ModelInfo:
+        """Served model name and context length (valid after `start`)."""
+
+    @abstractmethod
+    def check_health(self) -> None:
+        """Raise (preferably `BackendDeadError`) if the backend cannot serve."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Stop the engine and release its memory; safe to call twice."""

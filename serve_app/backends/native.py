@@ -1,0 +1,93 @@
+"""The native backend: this repository's `AsyncLLMEngine` behind the `Backend` interface.
+
+torch and the engine are imported in `start()`, inside the replica, so that importing this module
+(and the serving layer above it) never loads torch.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+from serve_app.backends.base import Backend, BackendDeadError, ModelInfo, RoutingStats
+from serve_app.config import EngineConfig
+from serve_app.types import GenerateRequest, RequestOutput
+
+if TYPE_CHECKING:
+    from serve_app.engine.async_engine import AsyncLLMEngine
+
+logger = logging.getLogger(__name__)
+
+
+class NativeBackend(Backend):
+    """Wraps one `AsyncLLMEngine`.
+
+    `stat_loggers` are passed through to the engine unchanged: each receives every step's
+    `SchedulerStats` and every finished request's metrics (the metrics exporters plug in here).
+    """
+
+    def __init__(self, engine_config: EngineConfig, model_name: str = "", stat_loggers: Sequence[Any] = ()) -> None:
+        self.engine_config = engine_config
+        self.model_name = model_name or engine_config.model.name
+        self.stat_loggers = tuple(stat_loggers)
+        self._engine: AsyncLLMEngine | None = None
+        self._engine_dead_error: type[Exception] = BackendDeadError
+        self._closed = False
+
+    @property
+    def engine(self) -> AsyncLLMEngine:
+        if self._engine is None:
+            raise BackendDeadError("backend not started" if not self._closed else "backend shut down")
+        return self._engine
+
+    async def start(self) -> None:
+        if self._engine is not None:
+            return
+        from serve_app.engine.async_engine import AsyncLLMEngine, EngineDeadError
+
+        self._engine_dead_error = EngineDeadError
+        self._engine = AsyncLLMEngine(self.engine_config, self.stat_loggers)
+        load = self._engine.load()
+        logger.info(
+            "native engine ready: model %s, %s on %s, context %d tokens, %d KV blocks",
+            self.model_name, self.engine_config.model.dtype, self.engine_config.model.device,
+            self._engine.max_model_len, load.num_total_blocks,
+        )
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        stream = self.engine.generate(request)
+        try:
+            async for output in stream:
+                yield output
+        except self._engine_dead_error as exc:
+            raise BackendDeadError(str(exc)) from exc
+        finally:
+            await stream.aclose()  # aborts the request in the engine if it has not finished
+
+    async def abort(self, request_id: str) -> None:
+        await self.engine.abort(request_id)
+
+    def routing_stats(self) -> RoutingStats:
+        load = self.engine.load()
+        return RoutingStats(
+            kv_cache_usage=float(load.kv_cache_usage),
+            num_free_blocks=int(load.num_free_blocks),
+            num_total_blocks=int(load.num_total_blocks),
+            num_waiting=int(load.num_waiting),
+            num_running=int(load.num_running),
+        )
+
+    def model_info(self) -> ModelInfo:
+        return ModelInfo(name=self.model_name, max_model_len=self.engine.max_model_len, backend="native")
+
+    def check_health(self) -> None:
+        try:
+            self.engine.check_health()
+        except self._engine_dead_error as exc:
+            raise BackendDeadError(str(exc)) from exc
+
+    def shutdown(self) -> None:
+        engine, self._engine, self._closed = self._engine, None, True
+        if engine is not None:
+            engine.shutdown()

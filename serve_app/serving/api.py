@@ -1,0 +1,209 @@
+"""The OpenAI-compatible HTTP API: routes, request → `GenerateRequest`s, responses and errors.
+
+`OpenAIAPI` holds the logic and talks to LLMServer through a handle (anything with Ray Serve's
+`handle.options(stream=True).generate.remote(request)` / `handle.check_health.remote()` shape);
+`build_fastapi_app` wraps it in FastAPI with the API-key and body-size guards. `OpenAIIngress`
+(ingress.py) is the Ray Serve deployment around both.
+
+Endpoints: GET /health, GET /v1/models, GET /v1/models/{model}, POST /v1/completions,
+POST /v1/chat/completions (streamed or not). A request with `n` > 1 or a batch of prompts fans out
+into one engine request per choice, all on the same deadline (`request_timeout_s`). Prompts and
+outputs are never logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from serve_app.backends.base import ModelInfo
+from serve_app.config import ServeConfig
+from serve_app.serving.errors import APIError, to_api_error, validation_error
+from serve_app.serving.middleware import APIKeyMiddleware, BodySizeLimitMiddleware
+from serve_app.serving.openai_protocol import ChatCompletionRequest, CompletionRequest
+from serve_app.serving.responses import DONE_EVENT, ChoiceState, ResponseBuilder
+from serve_app.serving.streams import ChoicePump, ChoiceStream, start_all
+from serve_app.types import GenerateRequest
+
+logger = logging.getLogger("ray.serve")
+
+HEALTH_TIMEOUT_S = 10.0
+# engine messages say "prompt: ..." for chat requests too; the client sent "messages"
+CHAT_PARAM_ALIASES = {"prompt": "messages"}
+
+
+class _ClosingStreamingResponse(StreamingResponse):
+    """A StreamingResponse that always runs `on_close` (also when the client left before the first
+    byte and the body iterator never started), so the replica calls are cancelled."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], Awaitable[None]], **kwargs) -> None:
+        super().__init__(content, **kwargs)
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await asyncio.shield(self._on_close())
+
+
+class OpenAIAPI:
+    def __init__(self, llm_handle, config: ServeConfig, info: ModelInfo) -> None:
+        self.llm = llm_handle
+        self.config = config
+        self.info = info
+
+    # ---- GET ------------------------------------------------------------------------------------
+    def model_card(self) -> dict:
+        return {"id": self.info.name, "object": "model", "created": 0, "owned_by": "serve_app",
+                "max_model_len": self.info.max_model_len}
+
+    def models(self) -> dict:
+        return {"object": "list", "data": [self.model_card()]}
+
+    def model(self, name: str) -> dict:
+        self._check_model(name)
+        return self.model_card()
+
+    async def health(self) -> Response:
+        try:
+            async with asyncio.timeout(HEALTH_TIMEOUT_S):
+                await self.llm.check_health.remote()
+        except Exception as exc:  # noqa: BLE001 - any failure means: not healthy
+            error = to_api_error(exc, retry_after_s=self.config.retry_after_s)
+            return APIError(503, f"unhealthy: {error.message}", code="unhealthy", headers={"Retry-After": str(self.config.retry_after_s)}).response()
+        return JSONResponse({"status": "ok", "model": self.info.name})
+
+    # ---- POST -----------------------------------------------------------------------------------
+    async def completions(self, body: CompletionRequest) -> Response:
+        self._check_model(body.model)
+        body.validate_supported(self.config.max_n)
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        requests, prompt_indexes = [], []
+        for p, prompt in enumerate(body.prompts()):
+            for j in range(body.n):
+                params = body.sampling_params(self.info.max_model_len, j)
+                requests.append(GenerateRequest(f"{request_id}-{p}-{j}", prompt=prompt, sampling_params=params))
+                prompt_indexes.append(p)
+        builder = ResponseBuilder("completion", request_id, self.info.name, body.include_usage)
+        return await self._generate(builder, requests, prompt_indexes, body.stream, {})
+
+    async def chat_completions(self, body: ChatCompletionRequest) -> Response:
+        self._check_model(body.model)
+        body.validate_supported(self.config.max_n)
+        messages = body.engine_messages()
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        requests = [
+            GenerateRequest(f"{request_id}-0-{j}", messages=messages, sampling_params=body.sampling_params(self.info.max_model_len, j))
+            for j in range(body.n)
+        ]
+        builder = ResponseBuilder("chat", request_id, self.info.name, body.include_usage)
+        return await self._generate(builder, requests, [0] * body.n, body.stream, CHAT_PARAM_ALIASES)
+
+    def _check_model(self, name: str) -> None:
+        if name != self.info.name:
+            raise APIError(404, f"the model {name!r} does not exist; this server serves {self.info.name!r}",
+                           param="model", code="model_not_found")
+
+    def error(self, exc: BaseException, aliases: dict[str, str] | None = None) -> Response:
+        return to_api_error(exc, retry_after_s=self.config.retry_after_s, param_aliases=aliases).response()
+
+    # ---- generation -----------------------------------------------------------------------------
+    async def _generate(self, builder: ResponseBuilder, requests: list[GenerateRequest], prompt_indexes: list[int],
+                        stream: bool, aliases: dict[str, str]) -> Response:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.request_timeout_s
+        streams = [ChoiceStream(self.llm, r, self.config.replica_failure_retries) for r in requests]
+        async with asyncio.timeout_at(deadline):
+            firsts = await start_all(streams)  # errors (400, 503, ...) surface here, before any byte is sent
+        choices = [ChoiceState(prompt_index=p) for p in prompt_indexes]
+        for choice, first in zip(choices, firsts, strict=True):
+            choice.add(first)
+        pump = ChoicePump(streams).start()
+        if stream:
+            events = self._events(builder, choices, firsts, pump, deadline, aliases)
+            return _ClosingStreamingResponse(events, pump.close, media_type="text/event-stream",
+                                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        try:
+            while (batch := await pump.next_batch(deadline - loop.time())) is not None:
+                for index, chunk in batch:
+                    choices[index].add(chunk)
+        finally:
+            await asyncio.shield(pump.close())
+        return JSONResponse(builder.full(choices))
+
+    async def _events(self, builder: ResponseBuilder, choices: list[ChoiceState], firsts, pump: ChoicePump,
+                      deadline: float, aliases: dict[str, str]) -> AsyncIterator[str]:
+        loop = asyncio.get_running_loop()
+        try:
+            out = builder.opening_events(len(choices)) + "".join(builder.chunk_event(i, c) for i, c in enumerate(firsts))
+            if out:
+                yield out
+            while (batch := await pump.next_batch(deadline - loop.time())) is not None:
+                parts = []
+                for index, chunk in batch:
+                    choices[index].add(chunk)
+                    parts.append(builder.chunk_event(index, chunk))
+                if out := "".join(parts):
+                    yield out
+            yield builder.usage_event(choices) + DONE_EVENT
+        except Exception as exc:  # noqa: BLE001 - the 200 is sent: report the error in the stream
+            yield to_api_error(exc, retry_after_s=self.config.retry_after_s, param_aliases=aliases).sse_event() + DONE_EVENT
+
+
+def build_fastapi_app(api: OpenAIAPI, api_key: str = "") -> FastAPI:
+    """The ASGI app: routes + OpenAI error bodies for every failure + API key + body-size limit."""
+    app = FastAPI(title="serve_app OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> Response:
+        return validation_error(exc.errors()).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> Response:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", code=code,
+                        headers=dict(exc.headers or {})).response()
+
+    @app.get("/health")
+    async def health() -> Response:
+        return await api.health()
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return JSONResponse(api.models())
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str) -> Response:
+        try:
+            return JSONResponse(api.model(name))
+        except Exception as exc:  # noqa: BLE001
+            return api.error(exc)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest) -> Response:
+        try:
+            return await api.completions(body)
+        except Exception as exc:  # noqa: BLE001
+            return api.error(exc)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest) -> Response:
+        try:
+            return await api.chat_completions(body)
+        except Exception as exc:  # noqa: BLE001
+            return api.error(exc, CHAT_PARAM_ALIASES)
+
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=api.config.max_request_bytes)
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)  # added last = runs first
+    logger.info("API routes ready (model %r, API key %s)", api.info.name, "required" if api_key else "not required")
+    return app

@@ -1,0 +1,78 @@
+"""Builds the Ray Serve application (OpenAIIngress → LLMServer) from a `ServeConfig`.
+
+A Serve YAML points at `serve_app.serving.app:build_app` and passes the `ServeConfig` fields as
+`args` (see configs/local.yaml). Runs on the driver: it never imports torch (the engine is imported
+inside each LLMServer replica). Relative model paths are resolved here, against the current directory
+and then the repository root, so replicas (whatever their working directory) get an absolute path.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from ray.serve import Application
+from ray.serve.config import RequestRouterConfig
+
+from serve_app.config import ServeConfig
+from serve_app.serving.ingress import OpenAIIngress
+from serve_app.serving.llm_server import LLMServer
+
+logger = logging.getLogger(__name__)
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def resolve_model_path(model: str) -> str:
+    """An absolute path for a local model directory given relative to the cwd or the repo root."""
+    path = Path(model).expanduser()
+    if path.is_absolute():
+        return str(path)
+    for base in (Path.cwd(), REPO_ROOT):
+        if (base / path).is_dir():
+            return str((base / path).resolve())
+    raise ValueError(f"model: {model!r} is not a directory here or under {REPO_ROOT} (run `make model` for the default model)")
+
+
+def resolve_api_key(config: ServeConfig) -> str:
+    return config.api_key or (os.environ.get(config.api_key_env, "") if config.api_key_env else "")
+
+
+def build_app_from_config(config: ServeConfig) -> Application:
+    router_kwargs: dict[str, Any] = {"request_routing_stats_period_s": config.request_routing_stats_period_s}
+    if config.request_router_class:
+        router_kwargs["request_router_class"] = config.request_router_class
+    actor_options: dict[str, Any] = {"num_cpus": config.num_cpus_per_replica}
+    if config.num_gpus_per_replica:
+        actor_options["num_gpus"] = config.num_gpus_per_replica
+    server = LLMServer.options(
+        num_replicas=config.num_replicas,
+        ray_actor_options=actor_options,
+        max_ongoing_requests=config.max_ongoing_requests,
+        max_queued_requests=config.max_queued_requests,
+        request_router_config=RequestRouterConfig(**router_kwargs),
+        health_check_period_s=config.health_check_period_s,
+        health_check_timeout_s=config.health_check_timeout_s,
+        graceful_shutdown_timeout_s=config.graceful_shutdown_timeout_s,
+    ).bind(config)
+    api_key = resolve_api_key(config)
+    ingress = OpenAIIngress.options(
+        num_replicas=config.ingress_num_replicas,
+        ray_actor_options={"num_cpus": config.ingress_num_cpus},
+        max_ongoing_requests=config.ingress_max_ongoing_requests,
+        max_queued_requests=config.ingress_max_queued_requests,
+    ).bind(server, config, api_key)
+    logger.info("serving %s (%d LLMServer replica(s), API key %s)", config.model_name, config.num_replicas,
+                "required" if api_key else "not required")
+    return ingress
+
+
+def build_app(args: dict[str, Any]) -> Application:
+    """Serve application builder (`import_path: serve_app.serving.app:build_app`)."""
+    args = dict(args)
+    if "model" not in args:
+        raise ValueError("model: a model directory is required")
+    args["model"] = resolve_model_path(str(args["model"]))
+    return build_app_from_config(ServeConfig.from_dict(args))

@@ -1,0 +1,122 @@
+"""LLMServer: the Ray Serve deployment that owns one backend (one engine) per replica.
+
+Called only through a `DeploymentHandle` (from `OpenAIIngress`):
+- `generate(request)` (a streaming method: `handle.options(stream=True)`) yields `GenerationChunk`s,
+  compact deltas made from the backend's `RequestOutput`s. Invalid input raises `ValueError`
+  ("field: ...") on the first item; cancelling the call (client disconnect) aborts the request in the
+  engine and frees its KV blocks.
+- `model_info()` → `ModelInfo` (served name, context length).
+- Ray Serve calls `record_routing_stats()` every `request_routing_stats_period_s` and hands the dict
+  (`kv_cache_usage`, `num_free_blocks`, `num_total_blocks`, `num_waiting`, `num_running`) to request
+  routers; and `check_health()` every `health_check_period_s`: it raises once the engine loop died,
+  and Serve replaces the replica.
+
+torch is imported only inside the replica (when the backend starts), never at module load.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from ray import serve
+
+from serve_app.backends import Backend, ModelInfo, make_backend
+from serve_app.config import ServeConfig
+from serve_app.types import GenerateRequest, RequestOutput
+
+logger = logging.getLogger("ray.serve")
+
+
+@dataclass(frozen=True)
+class GenerationChunk:
+    """What crosses the replica → ingress hop for each delta (no prompt ids, no metrics objects)."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" on the last chunk
+    num_prompt_tokens: int
+
+    @classmethod
+    def from_output(cls, out: RequestOutput) -> GenerationChunk:
+        reason = None if out.finish_reason is None else str(out.finish_reason)
+        return cls(out.text, tuple(out.token_ids), out.finished, reason, out.num_prompt_tokens)
+
+
+def import_attr(path: str) -> Any:
+    """"package.module:attr" (or "package.module.attr") → the object."""
+    module, sep, attr = path.partition(":")
+    if not sep:
+        module, _, attr = path.rpartition(".")
+    return getattr(importlib.import_module(module), attr)
+
+
+def configure_torch_threads(num_threads: int) -> int:
+    """Give torch `num_threads` intra-op threads (0: every core of the machine).
+
+    Ray sets OMP_NUM_THREADS=1 for actors with fractional CPUs, which would leave a CPU replica on a
+    single core; the deployment's `num_cpus` is a scheduling hint, not a thread budget.
+    """
+    import torch
+
+    n = num_threads or os.cpu_count() or 1
+    torch.set_num_threads(n)
+    os.environ["OMP_NUM_THREADS"] = str(n)  # for anything that reads it later (e.g. the kernel build)
+    return n
+
+
+@serve.deployment(name="LLMServer")
+class LLMServer:
+    """One replica = one backend. Deployment options (replicas, CPUs, GPUs, limits, routing-stats
+    period, health checks) are applied from the `ServeConfig` in `serve_app.serving.app`."""
+
+    async def __init__(self, config: ServeConfig) -> None:
+        self.config = config
+        if config.engine_kwargs.get("device", "cpu") == "cpu":
+            threads = configure_torch_threads(config.torch_num_threads)
+        else:
+            threads = 0
+        stat_loggers = [import_attr(path)(config) for path in config.stat_logger_factories]
+        self.backend: Backend = make_backend(config, stat_loggers)
+        await self.backend.start()
+        self._info = self.backend.model_info()
+        logger.info("LLMServer replica ready: model %s, context %d tokens, torch threads %s",
+                    self._info.name, self._info.max_model_len, threads or "n/a")
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerationChunk]:
+        num_tokens = 0
+        reason = None
+        try:
+            async for out in self.backend.generate(request):
+                num_tokens += len(out.token_ids)
+                reason = out.finish_reason
+                yield GenerationChunk.from_output(out)
+        finally:
+            if self.config.log_requests:
+                logger.info("request %s: prompt %r → %d tokens (%s)", request.request_id,
+                            request.prompt if request.messages is None else request.messages, num_tokens, reason)
+            else:
+                logger.debug("request %s: %d tokens (%s)", request.request_id, num_tokens, reason)
+
+    def model_info(self) -> ModelInfo:
+        return self._info
+
+    def routing_stats(self) -> dict[str, float | int]:
+        """The same numbers `record_routing_stats` publishes (for probes and tests)."""
+        return self.backend.routing_stats().as_dict()
+
+    def record_routing_stats(self) -> dict[str, float | int]:
+        return self.backend.routing_stats().as_dict()
+
+    def check_health(self) -> None:
+        self.backend.check_health()
+
+    def __del__(self) -> None:
+        backend = getattr(self, "backend", None)
+        if backend is not None:
+            backend.shutdown()

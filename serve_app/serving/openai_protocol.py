@@ -1,0 +1,214 @@
+"""OpenAI-compatible request models and the OpenAI error body.
+
+Requests are pydantic models: a missing or mistyped field is a 400 naming the field (see
+`errors.py`). Each request turns itself into engine `SamplingParams` with `sampling_params()`, whose
+own validation names the offending field too. Parameters this server does not implement (`logprobs`,
+tools, `echo`, penalties, ...) are rejected with a 400 that names them instead of being silently
+ignored; unknown parameters are rejected like OpenAI does.
+
+Extensions beyond OpenAI's API: `top_k` (0 or -1: off) and `ignore_eos` (benchmarks).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from serve_app.types import SamplingParams
+
+# ---- errors --------------------------------------------------------------------------------------
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """The body of every non-2xx answer: {"error": {"message", "type", "param", "code"}}."""
+
+    error: ErrorInfo
+
+
+class UnsupportedParameterError(ValueError):
+    """A known OpenAI parameter this server does not implement (400, param = its name)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(f"{param}: {message}")
+        self.param = param
+
+
+# ---- requests ------------------------------------------------------------------------------------
+
+
+class _Request(BaseModel):
+    # OpenAI rejects parameters it does not know, and mistyped values ("16" for an integer); so do
+    # we: a typo must not be silently ignored or coerced
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False  # accepted (vLLM clients send it), usage only at the end
+
+
+class _SamplingFields(_Request):
+    model: str
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # extension
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    ignore_eos: bool = False  # extension
+    # accepted and ignored: they do not change the output
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def _check_common(self, max_n: int) -> None:
+        if not 1 <= self.n <= max_n:
+            raise UnsupportedParameterError("n", f"must be between 1 and {max_n}, got {self.n}")
+        if self.stream_options is not None and not self.stream:
+            raise UnsupportedParameterError("stream_options", "only allowed when stream is true")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise UnsupportedParameterError(name, "is not supported by this server (use 0 or leave it out)")
+        if self.logit_bias:
+            raise UnsupportedParameterError("logit_bias", "is not supported by this server")
+
+    def _sampling_params(self, max_tokens: int | None, max_model_len: int, choice_index: int) -> SamplingParams:
+        """`max_tokens` None means: until EOS or the end of the context."""
+        if max_tokens is not None and isinstance(max_tokens, int) and max_tokens > max_model_len:
+            raise ValueError(f"max_tokens: {max_tokens} exceeds the model's context length of {max_model_len} tokens")
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        seed = self.seed
+        if seed is not None and self.n > 1:  # distinct, still reproducible samples per choice
+            seed += choice_index
+        return SamplingParams(
+            max_tokens=max_model_len if max_tokens is None else max_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=0 if self.top_k is None else self.top_k,
+            seed=seed,
+            stop=stop,
+            ignore_eos=self.ignore_eos,
+        )
+
+
+Prompt = str | list[int]
+
+
+class CompletionRequest(_SamplingFields):
+    """POST /v1/completions."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def prompts(self) -> list[Prompt]:
+        """The prompts of this request (a list of strings or of token-id lists is a batch)."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise ValueError("prompt: must not be empty")
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]  # one prompt given as token ids
+        return list(p)
+
+    def validate_supported(self, max_n: int) -> None:
+        self._check_common(max_n)
+        if self.logprobs is not None:
+            raise UnsupportedParameterError("logprobs", "is not supported by this server")
+        if self.echo:
+            raise UnsupportedParameterError("echo", "is not supported by this server")
+        if self.best_of is not None and self.best_of != self.n:
+            raise UnsupportedParameterError("best_of", "is not supported by this server (leave it out or equal to n)")
+        if self.suffix:
+            raise UnsupportedParameterError("suffix", "is not supported by this server")
+
+    def sampling_params(self, max_model_len: int, choice_index: int = 0) -> SamplingParams:
+        return self._sampling_params(self.max_tokens, max_model_len, choice_index)
+
+
+class TextPart(_Request):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)  # name, refusal, ... do not change the prompt
+
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+
+    def to_engine(self, index: int) -> dict[str, str]:
+        """The message as the chat template sees it: {"role", "content"} with string content."""
+        where = f"messages.{index}"
+        if self.role in ("tool", "function") or self.tool_calls:
+            raise UnsupportedParameterError(where, "tool and function messages are not supported by this server")
+        content = self.content
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise UnsupportedParameterError(f"{where}.content.{j}", "only text content parts are supported")
+                texts.append(part["text"])
+            content = "\n".join(texts)
+        if content is None:
+            if self.role != "assistant":
+                raise ValueError(f"{where}.content: is required for role {self.role!r}")
+            content = ""
+        return {"role": "system" if self.role == "developer" else self.role, "content": content}
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def engine_messages(self) -> tuple[dict[str, str], ...]:
+        return tuple(m.to_engine(i) for i, m in enumerate(self.messages))
+
+    def validate_supported(self, max_n: int) -> None:
+        self._check_common(max_n)
+        if self.logprobs or self.top_logprobs is not None:
+            raise UnsupportedParameterError("logprobs" if self.logprobs else "top_logprobs", "is not supported by this server")
+        if self.tools or self.functions:
+            raise UnsupportedParameterError("tools" if self.tools else "functions", "tool calling is not supported by this server")
+        if self.tool_choice not in (None, "none") or self.function_call not in (None, "none"):
+            raise UnsupportedParameterError("tool_choice", "tool calling is not supported by this server")
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            raise UnsupportedParameterError("response_format", "only {'type': 'text'} is supported by this server")
+
+    def sampling_params(self, max_model_len: int, choice_index: int = 0) -> SamplingParams:
+        limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return self._sampling_params(limit, max_model_len, choice_index)

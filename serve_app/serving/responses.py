@@ -1,0 +1,113 @@
+"""OpenAI response bodies and server-sent events, built from `GenerationChunk`s.
+
+Shapes (what the official `openai` client parses):
+- completion: {"id": "cmpl-…", "object": "text_completion", "created", "model",
+  "choices": [{"index", "text", "logprobs": null, "finish_reason"}], "usage"}
+- chat: {"id": "chatcmpl-…", "object": "chat.completion", …,
+  "choices": [{"index", "message": {"role": "assistant", "content"}, "logprobs": null, "finish_reason"}]}
+- stream events: `data: <chunk JSON>\n\n` with object "text_completion" / "chat.completion.chunk";
+  chat streams open each choice with a `{"role": "assistant", "content": ""}` delta; the last chunk of
+  a choice carries its `finish_reason`; with `stream_options.include_usage` every chunk has
+  `"usage": null` and a final chunk with `"choices": []` carries the usage; then `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+from serve_app.serving.llm_server import GenerationChunk
+
+Kind = Literal["completion", "chat"]
+DONE_EVENT = "data: [DONE]\n\n"
+
+
+@dataclass
+class ChoiceState:
+    """Accumulates one choice's chunks (mutable, owned by one request handler)."""
+
+    prompt_index: int
+    parts: list[str] = field(default_factory=list)
+    num_tokens: int = 0
+    num_prompt_tokens: int = 0
+    finish_reason: str | None = None
+
+    def add(self, chunk: GenerationChunk) -> None:
+        if chunk.text:
+            self.parts.append(chunk.text)
+        self.num_tokens += len(chunk.token_ids)
+        self.num_prompt_tokens = chunk.num_prompt_tokens
+        if chunk.finished:
+            self.finish_reason = chunk.finish_reason
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+
+def usage(choices: list[ChoiceState]) -> dict[str, int]:
+    """Prompt tokens count once per prompt (not once per choice of `n`), as OpenAI does."""
+    prompt = {c.prompt_index: c.num_prompt_tokens for c in choices}
+    prompt_tokens = sum(prompt.values())
+    completion_tokens = sum(c.num_tokens for c in choices)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+
+
+class ResponseBuilder:
+    def __init__(self, kind: Kind, request_id: str, model: str, include_usage: bool = False) -> None:
+        self.kind = kind
+        self.request_id = request_id
+        self.model = model
+        self.created = int(time.time())
+        self.include_usage = include_usage
+        self._chunk_object = "text_completion" if kind == "completion" else "chat.completion.chunk"
+
+    # ---- non-streamed ----------------------------------------------------------------------------
+    def full(self, choices: list[ChoiceState]) -> dict:
+        if self.kind == "completion":
+            body_choices = [
+                {"index": i, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason} for i, c in enumerate(choices)
+            ]
+            obj = "text_completion"
+        else:
+            body_choices = [
+                {"index": i, "message": {"role": "assistant", "content": c.text}, "logprobs": None, "finish_reason": c.finish_reason}
+                for i, c in enumerate(choices)
+            ]
+            obj = "chat.completion"
+        return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model,
+                "choices": body_choices, "usage": usage(choices)}
+
+    # ---- streamed --------------------------------------------------------------------------------
+    def _event(self, choices: list[dict], usage_value: dict | None = None, final_usage: bool = False) -> str:
+        body: dict = {"id": self.request_id, "object": self._chunk_object, "created": self.created, "model": self.model,
+                      "choices": choices}
+        if self.include_usage:
+            body["usage"] = usage_value if final_usage else None
+        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+    def opening_events(self, num_choices: int) -> str:
+        """Chat streams announce the assistant role for every choice first."""
+        if self.kind != "chat":
+            return ""
+        return "".join(
+            self._event([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
+            for i in range(num_choices)
+        )
+
+    def chunk_event(self, index: int, chunk: GenerationChunk) -> str:
+        """One event for one delta ("" when it carries neither text nor the finish)."""
+        reason = chunk.finish_reason if chunk.finished else None
+        if not chunk.text and reason is None:
+            return ""
+        if self.kind == "completion":
+            choice = {"index": index, "text": chunk.text, "logprobs": None, "finish_reason": reason}
+        else:
+            delta = {"content": chunk.text} if chunk.text else {}
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
+        return self._event([choice])
+
+    def usage_event(self, choices: list[ChoiceState]) -> str:
+        return self._event([], usage(choices), final_usage=True) if self.include_usage else ""

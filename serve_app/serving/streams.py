@@ -1,0 +1,157 @@
+"""Ingress-side request streams: one `ChoiceStream` per choice, merged by a `ChoicePump`.
+
+- `ChoiceStream.start()` sends one `GenerateRequest` to an LLMServer replica and waits for its first
+  chunk, so that invalid input (raised by the engine on the first item), backpressure and an
+  unavailable replica surface *before* the HTTP status is sent. A replica that dies before the first
+  chunk is retried on another replica (`retries` times): nothing reached the client yet.
+- `ChoicePump` drains the remaining chunks of every choice in one background task into a queue, so
+  the HTTP handler can wait on it with a deadline (cancelling a queue read is always safe) and a
+  client disconnect or a timeout cancels the pump, which cancels the replica calls, which aborts the
+  requests in the engine and frees their KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+from serve_app.serving.errors import APIError, is_replica_failure
+from serve_app.serving.llm_server import GenerationChunk
+from serve_app.types import GenerateRequest
+
+_DONE = object()
+
+
+class ChoiceStream:
+    """One generation request (one choice of one prompt) on an LLMServer replica."""
+
+    def __init__(self, handle: Any, request: GenerateRequest, retries: int = 1) -> None:
+        self._handle = handle
+        self.request = request
+        self._retries = retries
+        self._response: Any = None
+        self.finished = False
+
+    async def start(self) -> GenerationChunk:
+        """Send the request; return its first chunk (raises what the replica raised)."""
+        attempt = 0
+        while True:
+            self._response = self._handle.options(stream=True).generate.remote(self.request)
+            try:
+                chunk = await self._response.__anext__()
+            except StopAsyncIteration:
+                raise APIError(500, "the model replica ended the stream without output", code="engine_error") from None
+            except Exception as exc:
+                self._cancel()
+                if attempt < self._retries and is_replica_failure(exc):
+                    attempt += 1
+                    continue
+                raise
+            return self._check(chunk)
+
+    def _check(self, chunk: GenerationChunk) -> GenerationChunk:
+        if chunk.finished:
+            self.finished = True
+            if chunk.finish_reason == "abort":
+                raise APIError(503, "the request was aborted by the server; retry", code="aborted", headers={"Retry-After": "1"})
+        return chunk
+
+    async def rest(self) -> AsyncIterator[GenerationChunk]:
+        """The chunks after the first one."""
+        while not self.finished:
+            try:
+                chunk = await self._response.__anext__()
+            except StopAsyncIteration:
+                raise APIError(500, "the model replica ended the stream before finishing", code="engine_error") from None
+            yield self._check(chunk)
+
+    def _cancel(self) -> None:
+        if self._response is not None:
+            with contextlib.suppress(Exception):
+                self._response.cancel()
+
+    def close(self) -> None:
+        """Cancel the replica call unless the request finished (aborts it in the engine)."""
+        if not self.finished:
+            self._cancel()
+
+
+async def start_all(streams: list[ChoiceStream]) -> list[GenerationChunk]:
+    """Start every stream concurrently; on the first failure cancel the others and raise it."""
+    tasks = [asyncio.ensure_future(s.start()) for s in streams]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for s in streams:
+            s.close()
+        raise
+
+
+class ChoicePump:
+    """Merges the remaining chunks of several started streams into one queue of (index, chunk)."""
+
+    def __init__(self, streams: list[ChoiceStream]) -> None:
+        self.streams = streams
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._task: asyncio.Task | None = None
+        self._num_done = 0
+
+    def start(self) -> ChoicePump:
+        self._task = asyncio.create_task(self._run())
+        return self
+
+    async def _drain(self, index: int, stream: ChoiceStream) -> None:
+        async for chunk in stream.rest():
+            self._queue.put_nowait((index, chunk))
+
+    async def _run(self) -> None:
+        try:
+            async with asyncio.TaskGroup() as group:
+                for i, s in enumerate(self.streams):
+                    group.create_task(self._drain(i, s))
+        except BaseExceptionGroup as eg:
+            self._queue.put_nowait((None, _first_error(eg)))
+            return
+        self._queue.put_nowait((None, _DONE))
+
+    async def next_batch(self, timeout_s: float) -> list[tuple[int, GenerationChunk]] | None:
+        """Wait up to `timeout_s` for chunks; return every chunk available now (None: all finished).
+
+        Raises the first error of any stream, or TimeoutError.
+        """
+        async with asyncio.timeout(max(timeout_s, 0.0)):
+            item = await self._queue.get()
+        batch: list[tuple[int, GenerationChunk]] = []
+        while True:
+            index, payload = item
+            if index is None:  # end marker: keep it queued so that later calls see it too
+                self._queue.put_nowait(item)
+                if batch or payload is _DONE:
+                    return batch or None
+                raise payload
+            batch.append((index, payload))
+            try:
+                item = self._queue.get_nowait()
+            except asyncio.QueueEmpty:
+                return batch
+
+    async def close(self) -> None:
+        """Stop draining and cancel every unfinished replica call."""
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+            with contextlib.suppress(BaseException):
+                await self._task
+        for s in self.streams:
+            s.close()
+
+
+def _first_error(eg: BaseExceptionGroup) -> BaseException:
+    exc: BaseException = eg
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    return exc
