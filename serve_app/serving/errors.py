@@ -3,6 +3,7 @@
 | cause                                               | status | type                  | code               |
 |-----------------------------------------------------|--------|-----------------------|--------------------|
 | malformed JSON, missing/mistyped field, bad value   | 400    | invalid_request_error | invalid_value ...  |
+| a parameter this server does not implement          | 400    | invalid_request_error | unsupported_parameter |
 | missing or wrong API key                            | 401    | authentication_error  | invalid_api_key    |
 | unknown model                                       | 404    | invalid_request_error | model_not_found    |
 | unknown route / method                              | 404/405| invalid_request_error | not_found ...      |
@@ -28,6 +29,7 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, 
 from starlette.responses import Response
 
 from serve_app.backends.base import BackendDeadError
+from serve_app.serving.openai_protocol import UnsupportedParameterError
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +37,7 @@ _TYPE_BY_STATUS = {400: "invalid_request_error", 401: "authentication_error", 40
                    405: "invalid_request_error", 413: "invalid_request_error", 503: "server_error",
                    504: "timeout_error"}
 # pydantic adds union-member tags to error locations ("prompt", "str"); they are not parameters
-_LOC_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "literal", "model"}
+_LOC_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
 class APIError(Exception):
@@ -88,7 +90,8 @@ def invalid_value(exc: ValueError, param_aliases: dict[str, str] | None = None) 
     if param is not None and param_aliases:
         first, dot, rest = param.partition(".")
         param = param_aliases.get(first, first) + dot + rest
-    return APIError(400, message, param=param, code="invalid_value")
+    code = "unsupported_parameter" if isinstance(exc, UnsupportedParameterError) else "invalid_value"
+    return APIError(400, message, param=param, code=code)
 
 
 def validation_error(errors: Sequence[dict]) -> APIError:
@@ -98,7 +101,9 @@ def validation_error(errors: Sequence[dict]) -> APIError:
     first = errors[0]
     loc = [p for p in first.get("loc", ()) if p != "body"]
     if first.get("type") == "json_invalid":
-        return APIError(400, f"malformed JSON body: {first.get('msg', '')}".strip(), code="invalid_json")
+        return APIError(400, f"malformed JSON body: {first.get('ctx', {}).get('error', first.get('msg', ''))}", code="invalid_json")
+    if not loc:
+        return APIError(400, "the request body must be a JSON object (Content-Type: application/json)", code="invalid_json")
     parts: list[str] = []
     for p in loc:
         if isinstance(p, str) and (p in _LOC_TAGS or "[" in p):

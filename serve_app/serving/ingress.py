@@ -26,7 +26,7 @@ class OpenAIIngress:
         self._api_key = api_key
         info = await llm.model_info.remote()
         self.api = OpenAIAPI(llm, config, info)
-        logger.info("OpenAI-compatible API serving model %r (context %d tokens, backend %s)",
+        logger.info("OpenAI-compatible API ready: model %r (context %d tokens, backend %s)",
                     info.name, info.max_model_len, info.backend)
 
     def __serve_build_asgi_app__(self) -> FastAPI:

@@ -16,9 +16,11 @@ torch is imported only inside the replica (when the backend starts), never at mo
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import logging
 import os
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -89,6 +91,9 @@ class LLMServer:
                     self._info.name, self._info.max_model_len, threads or "n/a")
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerationChunk]:
+        # the engine's timings (TTFT, queue time) start when the request reaches this replica: the
+        # ingress's monotonic clock may be another machine's
+        request = dataclasses.replace(request, arrival_time=time.monotonic())
         num_tokens = 0
         reason = None
         try:

@@ -83,7 +83,7 @@ class _SamplingFields(_Request):
         if not 1 <= self.n <= max_n:
             raise UnsupportedParameterError("n", f"must be between 1 and {max_n}, got {self.n}")
         if self.stream_options is not None and not self.stream:
-            raise UnsupportedParameterError("stream_options", "only allowed when stream is true")
+            raise ValueError("stream_options: only allowed when stream is true")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name):
                 raise UnsupportedParameterError(name, "is not supported by this server (use 0 or leave it out)")
