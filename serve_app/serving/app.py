@@ -8,6 +8,7 @@ and then the repository root, so replicas (whatever their working directory) get
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from pathlib import Path
@@ -41,6 +42,8 @@ def resolve_api_key(config: ServeConfig) -> str:
 
 
 def build_app_from_config(config: ServeConfig) -> Application:
+    api_key = resolve_api_key(config)
+    config = dataclasses.replace(config, api_key="")  # the key goes to the ingress only, never to replicas' args
     router_kwargs: dict[str, Any] = {"request_routing_stats_period_s": config.request_routing_stats_period_s}
     if config.request_router_class:
         router_kwargs["request_router_class"] = config.request_router_class
@@ -57,7 +60,6 @@ def build_app_from_config(config: ServeConfig) -> Application:
         health_check_timeout_s=config.health_check_timeout_s,
         graceful_shutdown_timeout_s=config.graceful_shutdown_timeout_s,
     ).bind(config)
-    api_key = resolve_api_key(config)
     ingress = OpenAIIngress.options(
         num_replicas=config.ingress_num_replicas,
         ray_actor_options={"num_cpus": config.ingress_num_cpus},

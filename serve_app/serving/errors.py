@@ -8,7 +8,8 @@
 | unknown model                                       | 404    | invalid_request_error | model_not_found    |
 | unknown route / method                              | 404/405| invalid_request_error | not_found ...      |
 | request body over the size limit                    | 413    | invalid_request_error | request_too_large  |
-| overload (Serve backpressure), replica unavailable  | 503    | server_error          | server_overloaded  |
+| overload (Serve backpressure)                       | 503    | server_error          | server_overloaded  |
+| the replica died / is unreachable                   | 503    | server_error          | replica_unavailable|
 | request timeout                                     | 504    | timeout_error         | request_timeout    |
 | engine failure, anything unexpected                 | 500    | server_error          | engine_error ...   |
 
@@ -135,7 +136,8 @@ def to_api_error(exc: BaseException, *, retry_after_s: int = 1, param_aliases: d
     if isinstance(exc, BackPressureError):
         return overloaded(retry_after_s)
     if isinstance(exc, RayActorError | ReplicaUnavailableError | DeploymentUnavailableError):
-        return overloaded(retry_after_s, "the model replica serving this request became unavailable; retry")
+        return APIError(503, "the model replica serving this request became unavailable; retry", code="replica_unavailable",
+                        headers={"Retry-After": str(retry_after_s)})
     if isinstance(exc, TimeoutError | asyncio.TimeoutError):
         return APIError(504, "the request did not finish within the server's time limit", code="request_timeout")
     if isinstance(exc, BackendDeadError):

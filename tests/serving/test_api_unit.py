@@ -1,0 +1,349 @@
+"""The HTTP layer in-process (no Ray): failure paths that a healthy deployment cannot produce on demand.
+
+`OpenAIAPI` + `build_fastapi_app` run against a scripted fake of the LLMServer handle (same call
+shape as Ray Serve's `DeploymentHandle`), through httpx's ASGI transport and the official `openai`
+client: engine failure before and during a stream, a replica dying before the first token (retried),
+backpressure, timeouts, unexpected exceptions, the health probe, the API-key and body-size guards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+
+import httpx
+import openai
+import pytest
+from ray.exceptions import ActorDiedError, RayTaskError
+from ray.serve.exceptions import BackPressureError
+
+from serve_app.backends.base import BackendDeadError, ModelInfo
+from serve_app.config import ServeConfig
+from serve_app.serving.api import OpenAIAPI, build_fastapi_app
+from serve_app.serving.llm_server import GenerationChunk
+from serve_app.types import GenerateRequest
+
+MODEL = "fake-model"
+INFO = ModelInfo(name=MODEL, max_model_len=128, backend="fake")
+
+
+def chunk(text: str, finished: bool = False, reason: str | None = None) -> GenerationChunk:
+    return GenerationChunk(text, (7,), finished, reason if finished else None, 3)
+
+
+def in_replica(exc: BaseException) -> BaseException:
+    """How an exception raised inside a replica reaches the ingress (wrapped by Ray)."""
+    return RayTaskError("generate", "Traceback (most recent call last): ...", exc).as_instanceof_cause()
+
+
+class FakeResponse:
+    """Mimics DeploymentResponseGenerator: `__anext__` and `cancel()`."""
+
+    def __init__(self, items: list, delay_s: float = 0.0) -> None:
+        self._items = list(items)
+        self._delay_s = delay_s
+        self.cancelled = False
+
+    async def __anext__(self):
+        if self._delay_s:
+            await asyncio.sleep(self._delay_s)
+        if self.cancelled:
+            raise asyncio.CancelledError
+        if not self._items:
+            raise StopAsyncIteration
+        item = self._items.pop(0)
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class _Method:
+    def __init__(self, fn: Callable) -> None:
+        self.remote = fn
+
+
+class FakeHandle:
+    """`script(request, attempt)` returns the FakeResponse for each `generate` call."""
+
+    def __init__(self, script: Callable[[GenerateRequest, int], FakeResponse], healthy: bool = True) -> None:
+        self.script = script
+        self.healthy = healthy
+        self.calls: list[GenerateRequest] = []
+        self.responses: list[FakeResponse] = []
+        self.generate = _Method(self._generate)
+        self.check_health = _Method(self._check_health)
+
+    def options(self, **_kwargs) -> FakeHandle:
+        return self
+
+    def _generate(self, request: GenerateRequest) -> FakeResponse:
+        attempt = sum(1 for c in self.calls if c.request_id == request.request_id)
+        self.calls.append(request)
+        response = self.script(request, attempt)
+        self.responses.append(response)
+        return response
+
+    async def _check_health(self) -> None:
+        if not self.healthy:
+            raise in_replica(BackendDeadError("engine loop died"))
+
+
+def make_client(handle: FakeHandle, api_key: str = "", **config) -> httpx.AsyncClient:
+    cfg = ServeConfig(model="unused", **config)
+    app = build_fastapi_app(OpenAIAPI(handle, cfg, INFO), api_key=api_key)
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test", timeout=30)
+
+
+def ok_script(request: GenerateRequest, attempt: int) -> FakeResponse:
+    return FakeResponse([chunk("Hello"), chunk(" world"), chunk("!", True, "stop")])
+
+
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def error_of(r: httpx.Response, status: int) -> dict:
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    return body["error"]
+
+
+def sse_payloads(text: str) -> list:
+    events = [e[len("data: "):] for e in text.split("\n\n") if e]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+def test_happy_path_shapes():
+    async def main():
+        async with make_client(FakeHandle(ok_script)) as c:
+            r = await c.post("/v1/chat/completions", json=CHAT)
+            body = r.json()
+            assert body["choices"][0]["message"] == {"role": "assistant", "content": "Hello world!"}
+            assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+            r = await c.post("/v1/chat/completions", json={**CHAT, "stream": True})
+            payloads = sse_payloads(r.text)
+            assert payloads[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+            assert "".join(p["choices"][0]["delta"].get("content", "") for p in payloads) == "Hello world!"
+            assert payloads[-1]["choices"][0]["finish_reason"] == "stop"
+
+    run(main())
+
+
+def test_engine_failure_before_first_token_is_500():
+    handle = FakeHandle(lambda req, attempt: FakeResponse([in_replica(BackendDeadError("engine loop died: boom"))]))
+
+    async def main():
+        async with make_client(handle) as c:
+            error = error_of(await c.post("/v1/chat/completions", json=CHAT), 500)
+            assert error["type"] == "server_error" and error["code"] == "engine_error"
+            assert "Traceback" not in error["message"]
+            error = error_of(await c.post("/v1/chat/completions", json={**CHAT, "stream": True}), 500)
+            assert error["code"] == "engine_error"
+
+    run(main())
+
+
+def test_engine_failure_mid_stream_is_an_error_event():
+    handle = FakeHandle(lambda req, attempt: FakeResponse([chunk("Hel"), chunk("lo"), in_replica(BackendDeadError("died"))]))
+
+    async def main():
+        async with make_client(handle) as c:
+            r = await c.post("/v1/completions", json={"model": MODEL, "prompt": "x", "stream": True})
+            assert r.status_code == 200
+            payloads = sse_payloads(r.text)
+            assert [p["choices"][0]["text"] for p in payloads[:-1]] == ["Hel", "lo"]
+            assert payloads[-1]["error"]["code"] == "engine_error"
+            # non-streamed: the whole request fails with a 500
+            error_of(await c.post("/v1/completions", json={"model": MODEL, "prompt": "x"}), 500)
+
+    run(main())
+    assert all(r.cancelled or not r._items for r in handle.responses)
+
+
+def test_openai_client_sees_mid_stream_error():
+    handle = FakeHandle(lambda req, attempt: FakeResponse([chunk("Hel"), in_replica(BackendDeadError("died"))]))
+    cfg = ServeConfig(model="unused")
+    app = build_fastapi_app(OpenAIAPI(handle, cfg, INFO))
+
+    async def main():
+        http_client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app))
+        client = openai.AsyncOpenAI(base_url="http://test/v1", api_key="x", http_client=http_client, max_retries=0)
+        stream = await client.chat.completions.create(model=MODEL, messages=CHAT["messages"], stream=True)
+        with pytest.raises(openai.APIError):
+            async for _ in stream:
+                pass
+        await http_client.aclose()
+
+    run(main())
+
+
+def test_replica_death_before_first_token_is_retried():
+    def script(request, attempt):
+        if attempt == 0:
+            return FakeResponse([ActorDiedError()])
+        return ok_script(request, attempt)
+
+    handle = FakeHandle(script)
+
+    async def main():
+        async with make_client(handle) as c:
+            r = await c.post("/v1/chat/completions", json=CHAT)
+            assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "Hello world!"
+
+    run(main())
+    assert len(handle.calls) == 2 and handle.calls[0].request_id == handle.calls[1].request_id
+
+
+def test_replica_death_retries_are_bounded():
+    handle = FakeHandle(lambda req, attempt: FakeResponse([ActorDiedError()]))
+
+    async def main():
+        async with make_client(handle, replica_failure_retries=1) as c:
+            r = await c.post("/v1/chat/completions", json=CHAT)
+            assert error_of(r, 503)["code"] == "replica_unavailable"
+            assert r.headers["retry-after"] == "1"
+
+    run(main())
+    assert len(handle.calls) == 2
+
+
+def test_backpressure_is_503_with_retry_after():
+    handle = FakeHandle(lambda req, attempt: FakeResponse([BackPressureError(num_queued_requests=9, max_queued_requests=8)]))
+
+    async def main():
+        async with make_client(handle, retry_after_s=3) as c:
+            r = await c.post("/v1/completions", json={"model": MODEL, "prompt": "x", "stream": True})
+            error = error_of(r, 503)
+            assert error["code"] == "server_overloaded" and r.headers["retry-after"] == "3"
+
+    run(main())
+
+
+def test_timeout_is_504_and_cancels_the_replica_call():
+    handle = FakeHandle(lambda req, attempt: FakeResponse([chunk("a")] + [chunk("b")] * 100, delay_s=0.05))
+
+    async def main():
+        async with make_client(handle, request_timeout_s=0.5) as c:
+            error = error_of(await c.post("/v1/completions", json={"model": MODEL, "prompt": "x"}), 504)
+            assert error["type"] == "timeout_error"
+            r = await c.post("/v1/completions", json={"model": MODEL, "prompt": "x", "stream": True})
+            assert r.status_code == 200
+            assert sse_payloads(r.text)[-1]["error"]["code"] == "request_timeout"
+
+    run(main())
+    assert len(handle.responses) == 2 and all(r.cancelled for r in handle.responses)
+
+
+def test_n_fans_out_with_distinct_seeds_and_fails_together():
+    handle = FakeHandle(ok_script)
+
+    async def main():
+        async with make_client(handle) as c:
+            r = await c.post("/v1/chat/completions", json={**CHAT, "n": 3, "seed": 10})
+            assert [ch["index"] for ch in r.json()["choices"]] == [0, 1, 2]
+            assert r.json()["usage"]["prompt_tokens"] == 3  # one prompt
+
+    run(main())
+    assert [c.sampling_params.seed for c in handle.calls] == [10, 11, 12]
+    assert len({c.request_id for c in handle.calls}) == 3
+
+    def script(request, attempt):  # the second choice fails: the others are cancelled
+        if request.request_id.endswith("-1"):
+            return FakeResponse([chunk("x"), in_replica(BackendDeadError("died"))])
+        return FakeResponse([chunk("x")] + [chunk("y")] * 50, delay_s=0.02)
+
+    failing = FakeHandle(script)
+
+    async def main_failing():
+        async with make_client(failing) as c:
+            error_of(await c.post("/v1/chat/completions", json={**CHAT, "n": 3}), 500)
+
+    run(main_failing())
+    assert all(r.cancelled or not r._items for r in failing.responses)
+
+
+def test_unexpected_exception_is_500_without_details():
+    handle = FakeHandle(lambda req, attempt: FakeResponse([in_replica(RuntimeError("secret user text"))]))
+
+    async def main():
+        async with make_client(handle) as c:
+            error = error_of(await c.post("/v1/chat/completions", json=CHAT), 500)
+            assert "secret" not in error["message"] and error["code"] == "internal_error"
+
+    run(main())
+
+
+def test_value_error_from_the_replica_is_400_with_param():
+    handle = FakeHandle(lambda req, attempt: FakeResponse([in_replica(ValueError("prompt: 5000 tokens leave no room"))]))
+
+    async def main():
+        async with make_client(handle) as c:
+            error = error_of(await c.post("/v1/chat/completions", json=CHAT), 400)
+            assert error["param"] == "messages" and "5000 tokens" in error["message"]
+            error = error_of(await c.post("/v1/completions", json={"model": MODEL, "prompt": "x"}), 400)
+            assert error["param"] == "prompt"
+
+    run(main())
+
+
+def test_abort_finish_is_503():
+    handle = FakeHandle(lambda req, attempt: FakeResponse([chunk("", True, "abort")]))
+
+    async def main():
+        async with make_client(handle) as c:
+            error_of(await c.post("/v1/chat/completions", json=CHAT), 503)
+
+    run(main())
+
+
+def test_health_probe():
+    async def main():
+        async with make_client(FakeHandle(ok_script)) as c:
+            assert (await c.get("/health")).status_code == 200
+        async with make_client(FakeHandle(ok_script, healthy=False)) as c:
+            r = await c.get("/health")
+            assert error_of(r, 503)["code"] == "unhealthy"
+
+    run(main())
+
+
+def test_api_key_guard():
+    async def main():
+        async with make_client(FakeHandle(ok_script), api_key="s3cret") as c:
+            r = await c.post("/v1/chat/completions", json=CHAT)
+            assert error_of(r, 401)["code"] == "invalid_api_key" and r.headers["www-authenticate"] == "Bearer"
+            r = await c.post("/v1/chat/completions", json=CHAT, headers={"Authorization": "Bearer wrong"})
+            error_of(r, 401)
+            assert (await c.get("/v1/models")).status_code == 401
+            r = await c.post("/v1/chat/completions", json=CHAT, headers={"Authorization": "Bearer s3cret"})
+            assert r.status_code == 200
+            assert (await c.get("/health")).status_code == 200  # probes need no key
+
+    run(main())
+
+
+def test_body_size_limit():
+    async def chunked(data: bytes):
+        for i in range(0, len(data), 512):
+            yield data[i : i + 512]
+
+    async def main():
+        async with make_client(FakeHandle(ok_script), max_request_bytes=2048) as c:
+            big = {**CHAT, "messages": [{"role": "user", "content": "x" * 4096}]}
+            error = error_of(await c.post("/v1/chat/completions", json=big), 413)
+            assert error["code"] == "request_too_large"
+            raw = json.dumps(big).encode()
+            r = await c.post("/v1/chat/completions", content=chunked(raw), headers={"Content-Type": "application/json"})
+            error_of(r, 413)
+            assert (await c.post("/v1/chat/completions", json=CHAT)).status_code == 200
+
+    run(main())

@@ -1,0 +1,125 @@
+"""The native backend and the LLMServer replica class in-process (real engine, no Ray cluster):
+streaming deltas, routing stats, abort on early exit, input errors, and engine death → unhealthy."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+
+from serve_app.backends import BackendDeadError, make_backend
+from serve_app.backends.native import NativeBackend
+from serve_app.config import ServeConfig
+from serve_app.serving.llm_server import GenerationChunk, LLMServer
+from serve_app.types import FinishReason, GenerateRequest, SamplingParams
+
+NUM_BLOCKS = 64
+
+
+def config(model_dir: str, **kwargs) -> ServeConfig:
+    return ServeConfig(model=model_dir, engine={"dtype": "float32", "num_blocks": NUM_BLOCKS, "max_num_seqs": 8}, **kwargs)
+
+
+async def collect(backend, request):
+    return [out async for out in backend.generate(request)]
+
+
+def test_backend_streams_deltas_and_reports_load(model_dir):
+    async def main():
+        backend = make_backend(config(model_dir))
+        assert isinstance(backend, NativeBackend)
+        await backend.start()
+        try:
+            idle = backend.routing_stats()
+            assert idle.num_free_blocks == idle.num_total_blocks == NUM_BLOCKS
+            assert idle.kv_cache_usage == 0.0 and idle.num_running == idle.num_waiting == 0
+            assert set(idle.as_dict()) == {"kv_cache_usage", "num_free_blocks", "num_total_blocks", "num_waiting", "num_running"}
+            info = backend.model_info()
+            assert info.name == "smollm2-135m-instruct" and info.max_model_len == NUM_BLOCKS * 16
+
+            outs = await collect(backend, GenerateRequest("a", prompt="Once upon a time",
+                                                          sampling_params=SamplingParams(temperature=0, max_tokens=6)))
+            assert len(outs) >= 2 and outs[-1].finished and outs[-1].finish_reason == FinishReason.LENGTH
+            assert sum(len(o.token_ids) for o in outs) == 6
+            assert not any(o.finished for o in outs[:-1])
+
+            # leaving the iteration early aborts the request and frees its blocks
+            stream = backend.generate(GenerateRequest("b", prompt="Tell me a long story.",
+                                                      sampling_params=SamplingParams(max_tokens=500, ignore_eos=True)))
+            await stream.__anext__()
+            busy = backend.routing_stats()
+            assert busy.num_free_blocks < NUM_BLOCKS and busy.num_running == 1 and busy.kv_cache_usage > 0
+            await stream.aclose()
+            for _ in range(100):
+                if backend.routing_stats().num_free_blocks == NUM_BLOCKS:
+                    break
+                await asyncio.sleep(0.02)
+            assert backend.routing_stats() == idle
+
+            # explicit abort of a running request
+            task = asyncio.ensure_future(collect(backend, GenerateRequest("c", prompt="Count to a thousand.",
+                                                                          sampling_params=SamplingParams(max_tokens=500, ignore_eos=True))))
+            while backend.routing_stats().num_running == 0:
+                await asyncio.sleep(0.01)
+            await backend.abort("c")
+            outs = await asyncio.wait_for(task, 10)
+            assert outs[-1].finish_reason == FinishReason.ABORT
+            assert backend.routing_stats().num_free_blocks == NUM_BLOCKS
+
+            # bad input: ValueError naming the field, nothing queued
+            with pytest.raises(ValueError, match=r"^prompt:"):
+                await collect(backend, GenerateRequest("d", prompt="x " * (NUM_BLOCKS * 16 + 10)))
+            assert backend.routing_stats() == idle
+            backend.check_health()
+        finally:
+            backend.shutdown()
+            backend.shutdown()  # idempotent
+        with pytest.raises(BackendDeadError):
+            backend.check_health()
+
+    asyncio.run(main())
+
+
+def test_llm_server_replica_health_and_engine_death(model_dir):
+    """The replica class as Serve drives it: stats, chunks, then a dying engine loop fails requests
+    with BackendDeadError and makes check_health raise (so Serve replaces the replica)."""
+
+    async def main():
+        cls = LLMServer.func_or_class
+        server = cls.__new__(cls)
+        await server.__init__(config(model_dir, torch_num_threads=0))
+        import torch
+
+        assert torch.get_num_threads() == os.cpu_count()
+        try:
+            stats = server.record_routing_stats()
+            assert stats["num_free_blocks"] == stats["num_total_blocks"] == NUM_BLOCKS
+            assert server.model_info().max_model_len == NUM_BLOCKS * 16
+            request = GenerateRequest("r1", messages=({"role": "user", "content": "What is the capital of France?"},),
+                                      sampling_params=SamplingParams(temperature=0, max_tokens=16))
+            chunks = [c async for c in server.generate(request)]
+            assert all(isinstance(c, GenerationChunk) for c in chunks)
+            assert "".join(c.text for c in chunks) == "The capital of France is Paris."
+            assert chunks[-1].finished and chunks[-1].finish_reason == "stop" and chunks[-1].num_prompt_tokens > 10
+            server.check_health()
+
+            # the engine loop dies at its next step
+            engine = server.backend.engine.engine
+
+            def broken_step():
+                raise RuntimeError("simulated device failure")
+
+            engine.step = broken_step
+            with pytest.raises(BackendDeadError):
+                async for _ in server.generate(GenerateRequest("r2", prompt="Hello", sampling_params=SamplingParams(max_tokens=4))):
+                    pass
+            with pytest.raises(BackendDeadError):
+                server.check_health()
+            with pytest.raises(BackendDeadError):  # new requests fail fast instead of hanging
+                async for _ in server.generate(GenerateRequest("r3", prompt="Hello")):
+                    pass
+        finally:
+            server.__del__()
+
+    asyncio.run(main())

@@ -1,0 +1,140 @@
+"""Kill one LLMServer replica's actor while both replicas stream: the other replica's requests finish,
+the killed replica's requests end with an error event (no hang), Serve brings a new replica up, and
+new requests succeed."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+import httpx
+import pytest
+import ray
+from ray import serve
+
+from tests.serving.conftest import (
+    APP_NAME,
+    MODEL_NAME,
+    app_args,
+    replica_actors,
+    replica_stats,
+    serve_app,
+    wait_for,
+    wait_until_idle,
+)
+
+NUM_REQUESTS = 8
+MAX_TOKENS = 48
+
+
+@pytest.fixture(scope="module")
+def app(ray_cluster, model_dir):
+    with serve_app(ray_cluster, app_args(num_replicas=2, max_ongoing_requests=16, health_check_period_s=1.0)) as served:
+        yield served
+
+
+async def stream_one(client: httpx.AsyncClient, i: int, progress: list[int] | None = None) -> dict:
+    body = {"model": MODEL_NAME, "prompt": f"Story number {i}:", "max_tokens": MAX_TOKENS, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    result = {"status": None, "chunks": 0, "tokens": 0, "finish_reason": None, "error": None, "done": False}
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+        result["status"] = r.status_code
+        async for line in r.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line[len("data: "):]
+            if data == "[DONE]":
+                result["done"] = True
+                break
+            payload = json.loads(data)
+            if "error" in payload:
+                result["error"] = payload["error"]
+                continue
+            if payload["choices"]:
+                result["chunks"] += 1
+                if progress is not None:
+                    progress[i] = result["chunks"]
+                result["finish_reason"] = payload["choices"][0]["finish_reason"] or result["finish_reason"]
+            if payload.get("usage"):
+                result["tokens"] = payload["usage"]["completion_tokens"]
+    return result
+
+
+def run_in_thread(coro_fn):
+    """Run an asyncio workload in a background thread; returns (thread, results holder)."""
+    holder: dict = {}
+
+    def target():
+        holder["results"] = asyncio.run(coro_fn())
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    return thread, holder
+
+
+def running_per_replica() -> dict[str, int]:
+    return {name: s["num_running"] + s["num_waiting"] for name, s in replica_stats().items()}
+
+
+def all_requests_placed() -> dict[str, int] | None:
+    placed = running_per_replica()
+    return placed if sum(placed.values()) == NUM_REQUESTS else None
+
+
+def test_kill_replica_under_load(app):
+    wait_until_idle(2)
+    before = set(replica_actors())
+    assert len(before) == 2
+
+    progress = [0] * NUM_REQUESTS  # chunks received per request (written by the load thread)
+
+    async def load():
+        async with httpx.AsyncClient(base_url=app.base_url, timeout=120) as client:
+            tasks = []
+            for i in range(NUM_REQUESTS):
+                tasks.append(asyncio.create_task(stream_one(client, i, progress)))
+                await asyncio.sleep(0.05)
+            return await asyncio.gather(*tasks)
+
+    thread, holder = run_in_thread(load)
+    # every request is streaming (a request that has not sent anything yet would be retried on the
+    # other replica, see test_api_unit), and they are spread over both replicas
+    wait_for(lambda: min(progress) >= 2, 60, message="every stream started")
+    placed = wait_for(all_requests_placed, 10, message=f"{NUM_REQUESTS} requests running")
+    assert all(n >= 1 for n in placed.values()), placed
+    victim = min(placed, key=lambda name: (placed[name], name))
+    survivor = next(name for name in placed if name != victim)
+    ray.kill(replica_actors()[victim], no_restart=True)
+
+    thread.join(timeout=180)
+    assert not thread.is_alive(), "requests hung after the replica died"
+    results = holder["results"]
+    ok = [r for r in results if r["error"] is None]
+    failed = [r for r in results if r["error"] is not None]
+    # the surviving replica's requests finish completely; the victim's end with an error event
+    assert len(ok) == placed[survivor], (placed, results)
+    assert len(failed) == placed[victim], (placed, results)
+    for r in ok:
+        assert r["status"] == 200 and r["done"] and r["finish_reason"] == "length" and r["tokens"] == MAX_TOKENS
+    for r in failed:
+        assert r["status"] == 200 and r["done"]  # the stream had started: error event, then [DONE]
+        assert r["error"]["type"] == "server_error" and r["error"]["code"] == "replica_unavailable"
+        assert set(r["error"]) == {"message", "type", "param", "code"}
+
+    # Serve replaces the dead replica
+    def replaced():
+        status = serve.status().applications[APP_NAME].deployments["LLMServer"]
+        names = set(replica_actors())
+        return status.replica_states.get("RUNNING", 0) == 2 and victim not in names and len(names) == 2 and names
+    names = wait_for(replaced, 120, interval_s=1.0, message="a replacement replica")
+    assert survivor in names and len(names - before) == 1
+    wait_until_idle(2)
+
+    # and new requests succeed (on both replicas)
+    async def after():
+        async with httpx.AsyncClient(base_url=app.base_url, timeout=120) as client:
+            return await asyncio.gather(*(stream_one(client, i) for i in range(6)))
+
+    for r in asyncio.run(after()):
+        assert r["status"] == 200 and r["error"] is None and r["tokens"] == MAX_TOKENS and r["done"]
