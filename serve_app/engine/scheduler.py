@@ -187,6 +187,10 @@ class Scheduler:
     def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Append sampled tokens, apply stop conditions, free finished requests."""
         now = self.clock()
+        for sched in scheduler_output.scheduled:  # before finishing frees them: full blocks stay reusable
+            request = self.requests.get(sched.request_id)
+            if request is not None:
+                self.block_manager.cache_full_blocks(request)
         outputs = []
         for request_id, token_id in zip(runner_output.request_ids, runner_output.sampled_token_ids, strict=True):
             request = self.requests.get(request_id)
@@ -201,10 +205,6 @@ class Scheduler:
                 self.running.remove(request)
                 metrics = self._finish(request, reason, now)
             outputs.append(EngineCoreOutput(request_id, (token_id,), reason, stop_token, metrics))
-        for sched in scheduler_output.scheduled:
-            request = self.requests.get(sched.request_id)
-            if request is not None:
-                self.block_manager.cache_full_blocks(request)
         return outputs
 
     def _check_stop(self, request: Request, token_id: int) -> tuple[FinishReason | None, int | None]:
