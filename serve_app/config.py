@@ -34,12 +34,14 @@ class ModelConfig:
     max_model_len: int = 0
     seed: int = 0
     served_model_name: str = ""
+    attention_backend: str = "auto"  # auto: the C++ kernel for CPU decodes when it builds; torch: reference path
 
     def __post_init__(self) -> None:
         _require(bool(self.model), "model", "a model directory is required")
         _require(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
         _require(self.device == "cpu" or self.device.startswith("cuda"), "device", f"cpu or cuda[:N], got {self.device!r}")
         _require(self.max_model_len >= 0, "max_model_len", "must be >= 0")
+        _require(self.attention_backend in ("auto", "torch"), "attention_backend", "must be 'auto' or 'torch'")
 
     @property
     def name(self) -> str:

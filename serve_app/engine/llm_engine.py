@@ -12,9 +12,9 @@ from typing import Protocol
 from serve_app.config import EngineConfig
 from serve_app.engine.engine_core import EngineCore
 from serve_app.engine.input_processor import InputProcessor
+from serve_app.engine.output_processor import OutputProcessor
 from serve_app.engine.outputs import EngineCoreOutput
 from serve_app.engine.request import Request
-from serve_app.engine.output_processor import OutputProcessor
 from serve_app.metrics.stats import SchedulerStats
 from serve_app.types import FinishReason, GenerateRequest, RequestMetrics, RequestOutput
 

@@ -48,7 +48,8 @@ class ModelRunner:
             for _ in range(self.args.num_layers)
         ]
         self.kv_cache_bytes = per_block * self.num_blocks
-        self.decode_kernel = cpu_kernels.paged_decode_kernel() if self.device.type == "cpu" else None
+        use_kernel = self.device.type == "cpu" and model_config.attention_backend == "auto"
+        self.decode_kernel = cpu_kernels.paged_decode_kernel() if use_kernel else None
         self.generator = torch.Generator(device=self.device).manual_seed(model_config.seed)
         logger.info(
             "model loaded in %.1fs: %d layers, KV cache %d blocks x %d tokens (%.0f MiB), decode kernel: %s",
