@@ -1,0 +1,177 @@
+#!/usr/bin/env bash
+# GPU readiness check (issue 2), in one command on a machine with an NVIDIA GPU and this repo:
+#
+#   bash loadtest/gpu_check.sh
+#
+# 1. Python environment with a CUDA torch, in this order of preference:
+#    a. $VENV (default .venv-gpu; .venv, the CPU venv, is never touched) if its torch sees CUDA;
+#    b. else, when the system python's torch sees CUDA: a venv that sees the system packages
+#       (--system-site-packages, plus a .pth file when that python is itself a venv) so that its
+#       torch is reused (the repo pins torch==2.13.0, and `==2.13.0` accepts 2.13.0+cuXXX; with
+#       another version pip fetches 2.13.0, a CUDA build on PyPI) + `make install VENV=$VENV`;
+#       if that install fails (no network, Python not 3.11, ...), the system python itself with
+#       PYTHONPATH=. and no install at all, when it has what the tests need (torch, transformers,
+#       safetensors, tokenizers, jinja2, psutil, pytest);
+#    c. else `make install VENV=$VENV`, then, if its torch is a CPU build and TORCH_CUDA_INDEX_URL
+#       names PyTorch's CUDA wheel index for this machine's CUDA, torch==2.13.0 from there.
+# 2. The model: $MODEL_DIR (default models/smollm2-135m-instruct) as it is, else `make model`.
+#    Without network, copy the model directory over; if only its small files are there (config.json,
+#    tokenizer.json, tokenizer_config.json, chat_template.jinja, generation_config.json: no weights),
+#    a random-weight stand-in is made (loadtest/random_model.py):
+#    the token-exact tests and throughput still mean something, the bf16 "Paris" check is skipped.
+# 3. pytest -m gpu tests/gpu (native on cuda vs HF on cuda: fp32 token-exact, bf16 sanity).
+# 4. W1 on cuda: native vs HF static batches of 16, bf16, 1 repeat (loadtest/bench_engine.py).
+# 5. A short table. Outputs go to $OUT if set, else reports/gpu/ (not reports/, whose CPU
+#    engine_throughput.* it would overwrite). Everything runs under a deadline of $BUDGET_S (480) s.
+#
+# Knobs (environment): OUT, BUDGET_S, VENV, PYTHON (the system python), MODEL_DIR, BENCH_ENGINES
+# (native,hf), BENCH_ARGS (extra bench_engine.py options), CONVERT_MODEL=0 (never run make model),
+# GPU_CHECK_DEVICE=cpu (a dry run of this script on a machine without a GPU, e.g. with
+# BENCH_ARGS=--quick: CUDA is not required and tests and benchmark run on the CPU).
+#
+# Exit status: 0 when the GPU tests and the benchmark both succeeded.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+BUDGET_S=${BUDGET_S:-480}
+VENV=${VENV:-.venv-gpu}
+SYS_PY=${PYTHON:-python3}
+MODEL_DIR=${MODEL_DIR:-models/smollm2-135m-instruct}
+OUT_DIR=${OUT:-reports/gpu}
+BENCH_ENGINES=${BENCH_ENGINES:-native,hf}
+read -r -a BENCH_ARGS <<<"${BENCH_ARGS:-}"
+CONVERT_MODEL=${CONVERT_MODEL:-1}
+DEVICE=${GPU_CHECK_DEVICE:-cuda}
+mkdir -p "$OUT_DIR"
+OUT_DIR=$(cd "$OUT_DIR" && pwd)
+LOG="$OUT_DIR/gpu_check.log"
+: >"$LOG"
+export PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+
+say() { printf '[gpu-check %3ds] %s\n' "$SECONDS" "$*" | tee -a "$LOG" >&2; }
+die() { say "ERROR: $*"; exit 1; }
+# seconds left before the deadline, keeping $1 s for the steps after this one, capped at $2
+budget() {
+    local left=$((BUDGET_S - SECONDS - $1))
+    ((left > $2)) && left=$2
+    ((left < 10)) && left=10
+    echo "$left"
+}
+has_cuda() {
+    [[ "$DEVICE" == cpu ]] && { "$1" -c 'import torch' >/dev/null 2>&1; return; }
+    "$1" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' >/dev/null 2>&1
+}
+can_run_tests() {
+    "$1" -c 'import torch, transformers, safetensors, tokenizers, jinja2, psutil, pytest' >/dev/null 2>&1
+}
+
+# ---- 0. the machine ----------------------------------------------------------------------------
+if command -v nvidia-smi >/dev/null 2>&1; then
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | tee -a "$LOG" || true
+else
+    say "nvidia-smi not found (continuing: torch decides whether CUDA is usable)"
+fi
+
+# ---- 1. python environment ---------------------------------------------------------------------
+PY=""
+if [[ -x "$VENV/bin/python" ]] && has_cuda "$VENV/bin/python"; then
+    PY="$VENV/bin/python"
+    say "using $VENV (its torch can use $DEVICE); running make install to bring it up to date"
+    timeout "$(budget 300 240)" make install VENV="$VENV" >>"$LOG" 2>&1 || say "make install failed (see $LOG); using $VENV as it is"
+elif has_cuda "$SYS_PY"; then
+    say "system $SYS_PY has a CUDA torch: venv $VENV with --system-site-packages + make install"
+    if [[ ! -d "$VENV" ]]; then
+        "$SYS_PY" -m venv --system-site-packages "$VENV"
+        # when $SYS_PY is itself a venv, --system-site-packages shows its base Python, not its packages:
+        # a .pth file appends them to the new venv's path (packages installed in the new venv win)
+        sys_site=$("$SYS_PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+        venv_site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+        echo "$sys_site" >"$venv_site/zz_system_packages.pth"
+    fi
+    if timeout "$(budget 300 240)" make install VENV="$VENV" >>"$LOG" 2>&1 && has_cuda "$VENV/bin/python"; then
+        PY="$VENV/bin/python"
+    elif can_run_tests "$SYS_PY"; then
+        say "make install failed (see $LOG; offline or another Python?): using $SYS_PY with PYTHONPATH=. and no install"
+        PY="$SYS_PY"
+        export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+    else
+        die "make install failed and $SYS_PY lacks packages the tests need (see $LOG)"
+    fi
+else
+    say "no CUDA torch found: make install VENV=$VENV"
+    timeout "$(budget 300 300)" make install VENV="$VENV" >>"$LOG" 2>&1 || die "make install failed (see $LOG)"
+    if ! has_cuda "$VENV/bin/python" && [[ -n "${TORCH_CUDA_INDEX_URL:-}" ]]; then
+        say "installing torch==2.13.0 from \$TORCH_CUDA_INDEX_URL"
+        timeout "$(budget 240 300)" "$VENV/bin/pip" install -q --force-reinstall --no-deps torch==2.13.0 \
+            --index-url "$TORCH_CUDA_INDEX_URL" >>"$LOG" 2>&1 || die "CUDA torch install failed (see $LOG)"
+    fi
+    has_cuda "$VENV/bin/python" || die "torch in $VENV cannot use CUDA (CPU wheel?); set TORCH_CUDA_INDEX_URL or use a system CUDA torch"
+    PY="$VENV/bin/python"
+fi
+"$PY" -c 'import torch, transformers, sys
+gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
+print(f"python {sys.version.split()[0]}, torch {torch.__version__} (CUDA {torch.version.cuda}), transformers {transformers.__version__}, GPU {gpu}")' 2>&1 | tee -a "$LOG"
+
+# ---- 2. the model ------------------------------------------------------------------------------
+if [[ ! -f "$MODEL_DIR/model.safetensors" || ! -f "$MODEL_DIR/config.json" ]]; then
+    if [[ "$PY" == "$VENV/bin/python" && "$CONVERT_MODEL" != 0 ]] && timeout "$(budget 240 180)" make model VENV="$VENV" MODEL_DIR="$MODEL_DIR" >>"$LOG" 2>&1; then
+        say "model converted into $MODEL_DIR"
+    elif [[ -f "$MODEL_DIR/config.json" && -f "$MODEL_DIR/tokenizer.json" ]]; then
+        say "no weights in $MODEL_DIR and no way to convert them: using RANDOM weights with its architecture and tokenizer"
+        "$PY" loadtest/random_model.py --like "$MODEL_DIR" --out build/random-model 2>&1 | tee -a "$LOG"
+        MODEL_DIR=build/random-model
+    else
+        die "no model in $MODEL_DIR and make model failed (see $LOG); copy a converted model directory there"
+    fi
+fi
+say "model: $MODEL_DIR"
+
+# ---- 3. GPU tests ------------------------------------------------------------------------------
+say "pytest -m gpu tests/gpu ..."
+tests_rc=0
+GPU_TEST_MODEL="$MODEL_DIR" GPU_TEST_DEVICE="$DEVICE" timeout "$(budget 150 240)" "$PY" -m pytest -m gpu tests/gpu -q -rs -p no:cacheprovider \
+    --junitxml "$OUT_DIR/gpu_tests.xml" 2>&1 | tee "$OUT_DIR/gpu_tests.log" || tests_rc=$?
+tests_line=$(grep -E '(passed|failed|error|skipped)' "$OUT_DIR/gpu_tests.log" | tail -n 1 || true)
+say "GPU tests: ${tests_line:-no summary} (exit $tests_rc)"
+
+# ---- 4. W1 on cuda -----------------------------------------------------------------------------
+say "W1 on $DEVICE: $BENCH_ENGINES, bf16, 1 repeat ..."
+bench_rc=0
+timeout "$(budget 15 300)" "$PY" loadtest/bench_engine.py --device "$DEVICE" --dtype bfloat16 --repeats 1 --engines "$BENCH_ENGINES" \
+    --model "$MODEL_DIR" --out-dir "$OUT_DIR" --progress-s 5 "${BENCH_ARGS[@]}" 2>&1 | tee "$OUT_DIR/bench.log" || bench_rc=$?
+say "W1 exit $bench_rc"
+
+# ---- 5. summary --------------------------------------------------------------------------------
+"$PY" - "$OUT_DIR" "$tests_rc" "$tests_line" "$MODEL_DIR" "$SECONDS" <<'EOF' | tee "$OUT_DIR/gpu_check_summary.md"
+import json, sys
+from pathlib import Path
+
+out, tests_rc, tests_line, model, elapsed = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
+print("\n## GPU check summary\n")
+print(f"GPU tests (pytest -m gpu tests/gpu): {'PASS' if tests_rc == 0 else 'FAIL'} - {tests_line or 'no summary'}")
+print(f"model: {model}{'  (RANDOM weights)' if (Path(model) / 'RANDOM_WEIGHTS').is_file() else ''}; total {elapsed} s\n")
+path = out / "engine_throughput.json"
+if not path.is_file():
+    print("W1: no results (see bench.log)")
+    sys.exit(0)
+r = json.loads(path.read_text())
+w = r["workload"]
+print(f"W1 on {w['device']}: {w['num_requests']} x {w['prompt_len']} prompt x {w['output_len']} output tokens, {w['dtype']}\n")
+print("| engine | output tok/s | total tok/s | time (s) | peak GPU alloc (MiB) | vs HF |")
+print("|---|---|---|---|---|---|")
+for name, e in r["engines"].items():
+    if not e.get("runs"):
+        print(f"| {name} | {'skipped' if 'skipped' in e else 'FAILED'} | | | | |")
+        continue
+    run = e["runs"][-1]
+    ratio = e.get("ratio_vs_baseline")
+    ratio = f"{ratio['median']:.2f}x" if ratio else ("1 (baseline)" if name == r["settings"]["baseline"] else "-")
+    gpu_mib = run.get("peak_gpu_allocated_mib", 0)
+    print(f"| {name} | {run['output_tok_s']:.0f} | {run['total_tok_s']:.0f} | {run['elapsed_s']:.1f} | {gpu_mib:.0f} | {ratio} |")
+EOF
+
+if ((tests_rc != 0 || bench_rc != 0)); then
+    say "FAILED (tests exit $tests_rc, W1 exit $bench_rc); logs in $OUT_DIR"
+    exit 1
+fi
+say "done in ${SECONDS}s; outputs in $OUT_DIR"
