@@ -1,0 +1,388 @@
+"""Serving overhead benchmark: the engine behind Ray Serve (HTTP, OpenAI API) against the engine called
+directly, same engine options, same prompts, in one run.
+
+Measures
+- TTFT at low load: one streamed request at a time (128 random prompt tokens, 8 output tokens),
+  `--ttft-requests` per repeat; client-side time from sending to the first token.
+  Direct: `AsyncLLMEngine.generate` in this process. Serve: POST /v1/completions (stream) through
+  the proxy → OpenAIIngress → LLMServer replica → SSE back.
+- Output tok/s at 8 and 32 concurrent streams (128 random prompt tokens, `--output-len` tokens each,
+  ignore_eos, greedy): all streams start together; tok/s = output tokens / wall time until the last
+  finishes; also TTFT p50/p99 under that load.
+
+Repeats are interleaved (direct, then Serve, for each measurement of each repeat) so that a change
+in machine load hits both alike; ratios are taken per repeat and reported as median [min-max].
+The Serve app is built from configs/local.yaml (engine options, replicas) unless overridden;
+`--replicas 2 1` measures each replica count against the direct engine.
+
+    .venv/bin/python loadtest/bench_serving.py                       # writes reports/serving.{json,md}
+    .venv/bin/python loadtest/bench_serving.py --quick               # smoke run (build/bench-serving-quick/)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime as dt
+import json
+import os
+import platform
+import random
+import shlex
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+# one event loop for every measurement: the HTTP client's pooled connections belong to it
+LOOP = asyncio.new_event_loop()
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # Ray on the loopback address only
+
+
+# ---- workload ----------------------------------------------------------------------------------------
+def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, vocab) for _ in range(length)] for _ in range(n)]
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+# ---- the two targets -----------------------------------------------------------------------------------
+class DirectTarget:
+    """The engine in this process (AsyncLLMEngine), no serving layer."""
+
+    name = "direct"
+
+    def __init__(self, model: str, engine_kwargs: dict[str, Any]) -> None:
+        import torch
+
+        from serve_app.engine.async_engine import AsyncLLMEngine
+
+        torch.set_num_threads(os.cpu_count() or 1)
+        self.engine = AsyncLLMEngine.from_kwargs(model, **engine_kwargs)
+        self._ids = 0
+
+    async def stream(self, prompt: list[int], max_tokens: int) -> tuple[float, int]:
+        from serve_app.types import GenerateRequest, SamplingParams
+
+        self._ids += 1
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        start, ttft, tokens = time.perf_counter(), None, 0
+        async for out in self.engine.generate(GenerateRequest(f"bench-{self._ids}", prompt=prompt, sampling_params=params)):
+            if ttft is None and out.token_ids:
+                ttft = time.perf_counter() - start
+            tokens += len(out.token_ids)
+        return ttft, tokens
+
+    def cpu_seconds(self) -> dict[str, float]:
+        """Cumulative CPU time of this process (engine thread + HTTP-less client)."""
+        return {"engine + client": _cpu(psutil.Process())}
+
+    def close(self) -> None:
+        self.engine.shutdown()
+
+
+class ServeTarget:
+    """The same engine options behind Ray Serve (OpenAI API over HTTP on 127.0.0.1)."""
+
+    name = "serve"
+
+    def __init__(self, args: dict[str, Any]) -> None:
+        import httpx
+        import ray
+        from ray import serve
+
+        from serve_app.serving.app import build_app
+
+        if not ray.is_initialized():
+            ray.init(include_dashboard=False, log_to_driver=False)
+        port = _free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        t0 = time.perf_counter()
+        serve.run(build_app(args), name="bench", route_prefix="/")
+        self.startup_s = time.perf_counter() - t0
+        self.url = f"http://127.0.0.1:{port}/v1/completions"
+        self.model = Path(args["model"]).name
+        self.client = httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=256, max_keepalive_connections=256))
+        self._processes = _serve_processes()
+
+    async def hop_latency(self, num: int = 30) -> dict[str, float]:
+        """p50 round trip of requests that generate nothing: the serving layer's own latency."""
+        base = self.url.rsplit("/v1/", 1)[0]
+        out = {}
+        for name, path in (("proxy_ingress_ms", "/v1/models"), ("proxy_ingress_replica_ms", "/health")):
+            await self.client.get(base + path)
+            times = []
+            for _ in range(num):
+                start = time.perf_counter()
+                (await self.client.get(base + path)).raise_for_status()
+                times.append(1000 * (time.perf_counter() - start))
+            out[name] = statistics.median(times)
+        return out
+
+    def cpu_seconds(self) -> dict[str, float]:
+        """Cumulative CPU time per group of this Ray instance's processes (+ this client process)."""
+        out = {"client": _cpu(psutil.Process())}
+        for group, procs in self._processes.items():
+            out[group] = sum(_cpu(p) for p in procs)
+        return out
+
+    async def stream(self, prompt: list[int], max_tokens: int) -> tuple[float, int]:
+        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+                "stream": True, "stream_options": {"include_usage": True}}
+        start, ttft, tokens = time.perf_counter(), None, 0
+        async with self.client.stream("POST", self.url, json=body) as r:
+            r.raise_for_status()
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                payload = json.loads(line[6:])
+                if "error" in payload:
+                    raise RuntimeError(f"stream error: {payload['error']}")
+                if ttft is None and payload["choices"]:
+                    ttft = time.perf_counter() - start
+                if payload.get("usage"):
+                    tokens = payload["usage"]["completion_tokens"]
+        return ttft, tokens
+
+    def close(self) -> None:
+        from ray import serve
+
+        with contextlib.suppress(Exception):
+            LOOP.run_until_complete(self.client.aclose())
+        serve.delete("bench")
+        serve.shutdown()
+
+
+PROCESS_GROUPS = (("LLMServer", "LLMServer replicas"), ("OpenAIIngress", "ingress"), ("ProxyActor", "HTTP proxy"),
+                  ("ServeController", "Serve controller"))
+
+
+def _serve_processes() -> dict[str, list[psutil.Process]]:
+    """Our Ray instance's processes (all children of this driver), grouped by role."""
+    groups: dict[str, list[psutil.Process]] = {}
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            cmd = " ".join(proc.cmdline())
+        except psutil.Error:
+            continue
+        group = next((name for key, name in PROCESS_GROUPS if key in cmd), "Ray core (raylet, GCS, ...)")
+        groups.setdefault(group, []).append(proc)
+    return groups
+
+
+def _cpu(proc: psutil.Process) -> float:
+    try:
+        t = proc.cpu_times()
+        return t.user + t.system
+    except psutil.Error:
+        return 0.0
+
+
+def _free_port() -> int:
+    with contextlib.closing(socket.socket()) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---- measurements ---------------------------------------------------------------------------------------
+async def measure_ttft(target, prompts: list[list[int]]) -> dict[str, Any]:
+    ttfts = []
+    for p in prompts:  # one at a time: low load
+        ttft, _ = await target.stream(p, 8)
+        ttfts.append(ttft)
+    return {"ttft_p50_s": statistics.median(ttfts), "ttft_p90_s": pct(ttfts, 0.9), "ttft_mean_s": statistics.fmean(ttfts)}
+
+
+async def measure_throughput(target, prompts: list[list[int]], output_len: int) -> dict[str, Any]:
+    cpu_before = target.cpu_seconds()
+    start = time.perf_counter()
+    results = await asyncio.gather(*(target.stream(p, output_len) for p in prompts))
+    elapsed = time.perf_counter() - start
+    cpu_after = target.cpu_seconds()
+    tokens = sum(t for _, t in results)
+    expected = len(prompts) * output_len
+    if tokens != expected:
+        raise RuntimeError(f"{target.name}: {tokens} output tokens, expected {expected}")
+    ttfts = [t for t, _ in results]
+    cpu_ms = {group: 1000 * (cpu_after[group] - cpu_before[group]) / tokens for group in cpu_after}
+    return {"output_tok_s": tokens / elapsed, "elapsed_s": elapsed, "output_tokens": tokens,
+            "ttft_p50_s": statistics.median(ttfts), "ttft_p99_s": pct(ttfts, 0.99),
+            "cpu_ms_per_token": cpu_ms, "cpu_ms_per_token_total": sum(cpu_ms.values())}
+
+
+def run_variant(direct: DirectTarget, serve_args: dict[str, Any], opts, vocab: int) -> dict[str, Any]:
+    serve_target = ServeTarget(serve_args)
+    ttft_prompts = random_prompts(opts.ttft_requests, opts.prompt_len, vocab, seed=1)
+    runs: list[dict[str, Any]] = []
+    try:
+        for target in (direct, serve_target):  # warm-up: first requests pay one-time costs
+            LOOP.run_until_complete(measure_ttft(target, ttft_prompts[:2]))
+        for repeat in range(opts.repeats):
+            run: dict[str, Any] = {"repeat": repeat, "ttft": {}, "throughput": {},
+                                   "hops": LOOP.run_until_complete(serve_target.hop_latency())}
+            order = (direct, serve_target) if repeat % 2 == 0 else (serve_target, direct)
+            for target in order:
+                run["ttft"][target.name] = LOOP.run_until_complete(measure_ttft(target, ttft_prompts))
+            for concurrency in opts.concurrency:
+                prompts = random_prompts(concurrency, opts.prompt_len, vocab, seed=100 + concurrency)
+                for target in order:
+                    run["throughput"].setdefault(str(concurrency), {})[target.name] = LOOP.run_until_complete(
+                        measure_throughput(target, prompts, opts.output_len))
+            print(f"[bench-serving] replicas={serve_args['num_replicas']} repeat {repeat}: "
+                  f"{json.dumps(run, default=lambda x: round(x, 4))}", flush=True)
+            runs.append(run)
+    finally:
+        serve_target.close()
+    return {"replicas": serve_args["num_replicas"], "serve_startup_s": serve_target.startup_s, "runs": runs,
+            "summary": summarize(runs, opts.concurrency)}
+
+
+def summarize(runs: list[dict[str, Any]], concurrency: list[int]) -> dict[str, Any]:
+    out: dict[str, Any] = {"ttft": {}, "throughput": {}, "hops": {k: spread([r["hops"][k] for r in runs]) for k in runs[0]["hops"]}}
+    for name in ("direct", "serve"):
+        out["ttft"][name] = spread([r["ttft"][name]["ttft_p50_s"] for r in runs])
+    out["ttft"]["overhead_ms"] = spread([1000 * (r["ttft"]["serve"]["ttft_p50_s"] - r["ttft"]["direct"]["ttft_p50_s"]) for r in runs])
+    for c in map(str, concurrency):
+        entry: dict[str, Any] = {}
+        for name in ("direct", "serve"):
+            entry[name] = spread([r["throughput"][c][name]["output_tok_s"] for r in runs])
+            entry[f"{name}_ttft_p50_s"] = spread([r["throughput"][c][name]["ttft_p50_s"] for r in runs])
+        for name in ("direct", "serve"):
+            groups = runs[0]["throughput"][c][name]["cpu_ms_per_token"]
+            entry[f"{name}_cpu_ms_per_token"] = {g: spread([r["throughput"][c][name]["cpu_ms_per_token"][g] for r in runs]) for g in groups}
+            entry[f"{name}_cpu_ms_per_token"]["total"] = spread([r["throughput"][c][name]["cpu_ms_per_token_total"] for r in runs])
+        entry["serve_over_direct"] = spread([r["throughput"][c]["serve"]["output_tok_s"] / r["throughput"][c]["direct"]["output_tok_s"]
+                                             for r in runs])
+        out["throughput"][c] = entry
+    return out
+
+
+# ---- report -------------------------------------------------------------------------------------------
+def fmt(s: dict[str, float], scale: float = 1.0, digits: int = 1) -> str:
+    return f"{s['median'] * scale:.{digits}f} [{s['min'] * scale:.{digits}f}–{s['max'] * scale:.{digits}f}]"
+
+
+def write_report(results: dict[str, Any], out_dir: Path) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "serving.json").write_text(json.dumps(results, indent=2))
+    w = results["workload"]
+    lines = [
+        "# Serving overhead: Ray Serve (OpenAI API) vs the engine called directly",
+        "",
+        f"Generated {results['date']} by:",
+        "",
+        f"    {results['command']}",
+        "",
+        f"Machine: {results['machine']}. Load average at start: {results['loadavg_start']}, at end: {results['loadavg_end']} "
+        "(other work shared the machine: compare the paired ratios, not absolute numbers across runs).",
+        f"Engine options (both targets, from {w['config']}): `{json.dumps(w['engine'])}`. Prompts: {w['prompt_len']} random "
+        f"token ids; TTFT runs: {w['ttft_requests']} sequential streamed requests × 8 tokens; throughput runs: every stream "
+        f"starts at once, {w['output_len']} output tokens each, greedy, ignore_eos. {w['repeats']} interleaved repeats; "
+        "cells are median [min–max] over repeats.",
+        "",
+        "Direct = `AsyncLLMEngine.generate` in the benchmark process. Serve = streamed POST /v1/completions on 127.0.0.1 → "
+        "Serve proxy → OpenAIIngress → LLMServer replica(s) → SSE (client-side timings, stream_options.include_usage).",
+        "",
+    ]
+    for v in results["variants"]:
+        s = v["summary"]
+        lines += [f"## Serve with {v['replicas']} LLMServer replica(s) (app ready in {v['serve_startup_s']:.1f} s)", "",
+                  "| measurement | direct engine | through Ray Serve | Serve − / ÷ direct |", "|---|---|---|---|",
+                  f"| TTFT p50 at low load (ms) | {fmt(s['ttft']['direct'], 1000)} | {fmt(s['ttft']['serve'], 1000)} | "
+                  f"+{fmt(s['ttft']['overhead_ms'])} ms |",
+                  f"| round trip without generation: GET /v1/models (proxy + ingress), ms | – | {fmt(s['hops']['proxy_ingress_ms'])} | |",
+                  f"| round trip without generation: GET /health (+ LLMServer replica), ms | – | "
+                  f"{fmt(s['hops']['proxy_ingress_replica_ms'])} | |"]
+        for c, t in s["throughput"].items():
+            lines.append(f"| output tok/s, {c} concurrent streams | {fmt(t['direct'])} | {fmt(t['serve'])} | "
+                         f"× {fmt(t['serve_over_direct'], digits=2)} |")
+        for c, t in s["throughput"].items():
+            lines.append(f"| TTFT p50 at {c} streams (ms) | {fmt(t['direct_ttft_p50_s'], 1000, 0)} | "
+                         f"{fmt(t['serve_ttft_p50_s'], 1000, 0)} | |")
+        lines += ["", "CPU time per output token (ms; all processes of each target, during the throughput runs; "
+                  "this does not depend on what else runs on the machine the way wall-clock rates do):", "",
+                  "| streams | direct: engine + client | Serve: " + " | ".join(_groups(s)) + " | Serve total |",
+                  "|---|---|" + "---|" * (len(_groups(s)) + 1)]
+        for c, t in s["throughput"].items():
+            serve_cpu = t["serve_cpu_ms_per_token"]
+            cells = [fmt(serve_cpu[g], digits=2) if g in serve_cpu else "–" for g in _groups(s)]
+            lines.append(f"| {c} | {fmt(t['direct_cpu_ms_per_token']['total'], digits=2)} | " + " | ".join(cells)
+                         + f" | {fmt(serve_cpu['total'], digits=2)} |")
+        lines.append("")
+    lines += ["Raw per-repeat numbers: `serving.json` next to this file.", ""]
+    (out_dir / "serving.md").write_text("\n".join(lines))
+
+
+def _groups(summary: dict[str, Any]) -> list[str]:
+    first = next(iter(summary["throughput"].values()))
+    return [g for g in first["serve_cpu_ms_per_token"] if g != "total"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default="configs/local.yaml", help="Serve YAML whose first application's args are used")
+    parser.add_argument("--replicas", type=int, nargs="+", default=None, help="LLMServer replica counts to measure")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--ttft-requests", type=int, default=16)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[8, 32])
+    parser.add_argument("--out-dir", default=None)
+    parser.add_argument("--quick", action="store_true", help="1 repeat, 4 TTFT requests, 16 output tokens")
+    opts = parser.parse_args()
+    if opts.quick:
+        opts.repeats, opts.ttft_requests, opts.output_len = 1, 4, 16
+    out_dir = Path(opts.out_dir or (REPO / ("build/bench-serving-quick" if opts.quick else "reports")))
+
+    config = yaml.safe_load((REPO / opts.config).read_text())
+    args = dict(config["applications"][0]["args"])
+    args.pop("api_key", None)
+    args["api_key_env"] = ""
+    os.chdir(REPO)
+    from serve_app.serving.app import resolve_model_path
+
+    args["model"] = resolve_model_path(args["model"])
+    vocab = json.loads((Path(args["model"]) / "config.json").read_text())["vocab_size"]
+    engine_kwargs = dict(args.get("engine", {}))
+    results: dict[str, Any] = {
+        "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "command": ".venv/bin/python loadtest/bench_serving.py " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
+        "loadavg_start": " ".join(f"{x:.2f}" for x in os.getloadavg()),
+        "workload": {"config": opts.config, "engine": engine_kwargs, "prompt_len": opts.prompt_len, "output_len": opts.output_len,
+                     "ttft_requests": opts.ttft_requests, "repeats": opts.repeats, "concurrency": opts.concurrency},
+        "variants": [],
+    }
+    direct = DirectTarget(args["model"], engine_kwargs)
+    try:
+        for replicas in opts.replicas or [args.get("num_replicas", 1)]:
+            results["variants"].append(run_variant(direct, {**args, "num_replicas": replicas}, opts, vocab))
+    finally:
+        direct.close()
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()
+    results["loadavg_end"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    write_report(results, out_dir)
+    print(f"[bench-serving] wrote {out_dir / 'serving.md'}")
+    print((out_dir / "serving.md").read_text())
+
+
+if __name__ == "__main__":
+    main()
