@@ -81,6 +81,12 @@ def is_replica_failure(exc: BaseException) -> bool:
     return isinstance(unwrap(exc), RayActorError | ReplicaUnavailableError)
 
 
+def is_retriable(exc: BaseException) -> bool:
+    """Safe to send again to another replica if nothing was streamed yet: the replica is gone, or its
+    engine died (Serve replaces it after its next failed health check)."""
+    return is_replica_failure(exc) or isinstance(unwrap(exc), BackendDeadError)
+
+
 def invalid_value(exc: ValueError, param_aliases: dict[str, str] | None = None) -> APIError:
     """A ValueError whose message starts with the field name ("top_p: must be in (0, 1]")."""
     message = str(exc.args[0]) if exc.args else str(exc)

@@ -2,8 +2,8 @@
 
 - `ChoiceStream.start()` sends one `GenerateRequest` to an LLMServer replica and waits for its first
   chunk, so that invalid input (raised by the engine on the first item), backpressure and an
-  unavailable replica surface *before* the HTTP status is sent. A replica that dies before the first
-  chunk is retried on another replica (`retries` times): nothing reached the client yet.
+  unavailable replica surface *before* the HTTP status is sent. A replica (or its engine) that dies
+  before the first chunk is retried on another replica (`retries` times): nothing reached the client.
 - `ChoicePump` drains the remaining chunks of every choice in one background task into a queue, so
   the HTTP handler can wait on it with a deadline (cancelling a queue read is always safe) and a
   client disconnect or a timeout cancels the pump, which cancels the replica calls, which aborts the
@@ -17,7 +17,7 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
-from serve_app.serving.errors import APIError, is_replica_failure
+from serve_app.serving.errors import APIError, is_retriable
 from serve_app.serving.llm_server import GenerationChunk
 from serve_app.types import GenerateRequest
 
@@ -45,7 +45,7 @@ class ChoiceStream:
                 raise APIError(500, "the model replica ended the stream without output", code="engine_error") from None
             except Exception as exc:
                 self._cancel()
-                if attempt < self._retries and is_replica_failure(exc):
+                if attempt < self._retries and is_retriable(exc):
                     attempt += 1
                     continue
                 raise

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -19,6 +20,8 @@ from typing import Any
 import pytest
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # before Ray starts: loopback only
+# fault injection (tests/serving/faults.py): replicas inherit this environment from the driver
+os.environ.setdefault("SERVE_APP_TEST_FAULT_FILE", str(Path(tempfile.gettempdir()) / f"serve_app_test_fault_{os.getpid()}"))
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL_DIR = REPO / "models" / "smollm2-135m-instruct"

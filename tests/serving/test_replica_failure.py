@@ -1,12 +1,16 @@
-"""Kill one LLMServer replica's actor while both replicas stream: the other replica's requests finish,
-the killed replica's requests end with an error event (no hang), Serve brings a new replica up, and
-new requests succeed."""
+"""Replica failures under load, 2 LLMServer replicas streaming:
+- kill one replica's actor: the other replica's requests finish, the killed replica's requests end
+  with an error event (no hang), Serve brings a new replica up, and new requests succeed;
+- kill one replica's *engine loop* (injected through the stat-logger hook): its requests fail with
+  an engine error, its `check_health` fails so Serve replaces it, the other replica keeps serving."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import threading
+from pathlib import Path
 
 import httpx
 import pytest
@@ -23,6 +27,7 @@ from tests.serving.conftest import (
     wait_for,
     wait_until_idle,
 )
+from tests.serving.faults import FAULT_FILE_ENV
 
 NUM_REQUESTS = 8
 MAX_TOKENS = 48
@@ -30,8 +35,15 @@ MAX_TOKENS = 48
 
 @pytest.fixture(scope="module")
 def app(ray_cluster, model_dir):
-    with serve_app(ray_cluster, app_args(num_replicas=2, max_ongoing_requests=16, health_check_period_s=1.0)) as served:
-        yield served
+    args = app_args(num_replicas=2, max_ongoing_requests=16, health_check_period_s=1.0,
+                    stat_logger_factories=["tests.serving.faults:make_fault_logger"])
+    trigger = Path(os.environ[FAULT_FILE_ENV])
+    trigger.unlink(missing_ok=True)
+    try:
+        with serve_app(ray_cluster, args) as served:
+            yield served
+    finally:
+        trigger.unlink(missing_ok=True)
 
 
 async def stream_one(client: httpx.AsyncClient, i: int, progress: list[int] | None = None) -> dict:
@@ -77,31 +89,25 @@ def running_per_replica() -> dict[str, int]:
     return {name: s["num_running"] + s["num_waiting"] for name, s in replica_stats().items()}
 
 
-def all_requests_placed() -> dict[str, int] | None:
-    placed = running_per_replica()
-    return placed if sum(placed.values()) == NUM_REQUESTS else None
+def wait_replaced(victim: str, survivor: str, before: set[str]) -> None:
+    """Serve runs 2 replicas again: the survivor and one new replica instead of the victim."""
+
+    def replaced():
+        status = serve.status().applications[APP_NAME].deployments["LLMServer"]
+        names = set(replica_actors())
+        return status.replica_states.get("RUNNING", 0) == 2 and victim not in names and len(names) == 2 and names
+
+    names = wait_for(replaced, 120, interval_s=1.0, message=f"a replacement for {victim}")
+    assert survivor in names and len(names - before) == 1
 
 
 def test_kill_replica_under_load(app):
     wait_until_idle(2)
     before = set(replica_actors())
     assert len(before) == 2
-
-    progress = [0] * NUM_REQUESTS  # chunks received per request (written by the load thread)
-
-    async def load():
-        async with httpx.AsyncClient(base_url=app.base_url, timeout=120) as client:
-            tasks = []
-            for i in range(NUM_REQUESTS):
-                tasks.append(asyncio.create_task(stream_one(client, i, progress)))
-                await asyncio.sleep(0.05)
-            return await asyncio.gather(*tasks)
-
-    thread, holder = run_in_thread(load)
     # every request is streaming (a request that has not sent anything yet would be retried on the
     # other replica, see test_api_unit), and they are spread over both replicas
-    wait_for(lambda: min(progress) >= 2, 60, message="every stream started")
-    placed = wait_for(all_requests_placed, 10, message=f"{NUM_REQUESTS} requests running")
+    thread, holder, placed = start_load_and_place(app, NUM_REQUESTS)
     assert all(n >= 1 for n in placed.values()), placed
     victim = min(placed, key=lambda name: (placed[name], name))
     survivor = next(name for name in placed if name != victim)
@@ -122,13 +128,7 @@ def test_kill_replica_under_load(app):
         assert r["error"]["type"] == "server_error" and r["error"]["code"] == "replica_unavailable"
         assert set(r["error"]) == {"message", "type", "param", "code"}
 
-    # Serve replaces the dead replica
-    def replaced():
-        status = serve.status().applications[APP_NAME].deployments["LLMServer"]
-        names = set(replica_actors())
-        return status.replica_states.get("RUNNING", 0) == 2 and victim not in names and len(names) == 2 and names
-    names = wait_for(replaced, 120, interval_s=1.0, message="a replacement replica")
-    assert survivor in names and len(names - before) == 1
+    wait_replaced(victim, survivor, before)  # Serve replaces the dead replica
     wait_until_idle(2)
 
     # and new requests succeed (on both replicas)
@@ -138,3 +138,56 @@ def test_kill_replica_under_load(app):
 
     for r in asyncio.run(after()):
         assert r["status"] == 200 and r["error"] is None and r["tokens"] == MAX_TOKENS and r["done"]
+
+
+def start_load_and_place(app, num_requests: int) -> tuple[threading.Thread, dict, dict[str, int]]:
+    """Start `num_requests` streams; return once all are streaming, with their placement per replica."""
+    progress = [0] * num_requests
+
+    async def load():
+        async with httpx.AsyncClient(base_url=app.base_url, timeout=120) as client:
+            tasks = []
+            for i in range(num_requests):
+                tasks.append(asyncio.create_task(stream_one(client, i, progress)))
+                await asyncio.sleep(0.05)
+            return await asyncio.gather(*tasks)
+
+    thread, holder = run_in_thread(load)
+    wait_for(lambda: min(progress) >= 2, 60, message="every stream started")
+
+    def placed():
+        counts = running_per_replica()
+        return counts if sum(counts.values()) == num_requests else None
+
+    return thread, holder, wait_for(placed, 10, message=f"{num_requests} requests running")
+
+
+def test_engine_death_fails_health_check_and_replica_is_replaced(app):
+    wait_until_idle(2)
+    before = set(replica_actors())
+    thread, holder, placed = start_load_and_place(app, 6)
+    assert all(n >= 1 for n in placed.values()), placed
+    victim = min(placed, key=lambda name: (placed[name], name))
+    survivor = next(name for name in placed if name != victim)
+    trigger = Path(os.environ[FAULT_FILE_ENV])
+    trigger.write_text(victim.rsplit("#", 1)[1])  # the replica id: its engine loop dies at its next step
+    try:
+        thread.join(timeout=180)
+        assert not thread.is_alive(), "requests hung after the engine died"
+        results = holder["results"]
+        ok = [r for r in results if r["error"] is None]
+        failed = [r for r in results if r["error"] is not None]
+        assert len(ok) == placed[survivor] and len(failed) == placed[victim], (placed, results)
+        for r in ok:
+            assert r["done"] and r["tokens"] == MAX_TOKENS
+        for r in failed:
+            assert r["done"] and r["error"]["code"] == "engine_error" and r["error"]["type"] == "server_error"
+
+        wait_replaced(victim, survivor, before)  # its health check fails and Serve replaces it
+    finally:
+        trigger.unlink(missing_ok=True)
+    wait_until_idle(2)
+    with httpx.Client(base_url=app.base_url, timeout=60) as c:
+        for _ in range(4):
+            r = c.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 4})
+            assert r.status_code == 200, r.text
