@@ -5,7 +5,7 @@ the engine thread after every step and after aborts):
 
 - `RayStatLogger`: `ray.serve.metrics`, for an engine inside a Ray Serve replica. The metrics appear
   on Ray's per-node metrics port as `ray_<name>` with `deployment` / `replica` / `application` added
-  by Ray. `LLMServer` creates one per replica.
+  by Ray. `LLMServer` creates one per replica (always; `stat_logger_factories` add others).
 - `PrometheusStatLogger`: `prometheus_client`, its own `CollectorRegistry`, for an engine outside Ray
   (`LLM(..., stat_loggers=[logger])`); `serve()` or `asgi_app()` expose it on a `/metrics` route.
 
@@ -25,15 +25,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from serve_app.metrics import names
 from serve_app.metrics.instruments import Instrument, PrometheusInstruments, RayInstruments
 from serve_app.metrics.stats import SchedulerStats
 from serve_app.types import FinishReason, RequestMetrics
-
-if TYPE_CHECKING:
-    from serve_app.config import ServeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -162,7 +159,3 @@ class RayStatLogger(MetricsStatLogger):
     def __init__(self, model_name: str) -> None:
         super().__init__(model_name, RayInstruments(model_name))
 
-
-def ray_stat_logger(config: ServeConfig) -> RayStatLogger:
-    """`ServeConfig.stat_logger_factories` entry: "serve_app.metrics.loggers:ray_stat_logger"."""
-    return RayStatLogger(config.model_name)

@@ -29,6 +29,7 @@ from ray import serve
 
 from serve_app.backends import Backend, ModelInfo, make_backend
 from serve_app.config import ServeConfig
+from serve_app.metrics.loggers import RayStatLogger
 from serve_app.types import GenerateRequest, RequestOutput
 
 logger = logging.getLogger("ray.serve")
@@ -83,7 +84,9 @@ class LLMServer:
             threads = configure_torch_threads(config.torch_num_threads)
         else:
             threads = 0
-        stat_loggers = [import_attr(path)(config) for path in config.stat_logger_factories]
+        # engine metrics on Ray's metrics port (ray_llm_*, names in serve_app.metrics.names), plus any extras
+        stat_loggers = [RayStatLogger(config.model_name)]
+        stat_loggers += [import_attr(path)(config) for path in config.stat_logger_factories]
         self.backend: Backend = make_backend(config, stat_loggers)
         await self.backend.start()
         self._info = self.backend.model_info()
