@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: install model test test-all lint bench-engine chat clean
 
-install: $(STAMP)
+install: system-deps $(STAMP)
 
 $(STAMP): pyproject.toml
 	@command -v python3 >/dev/null || { echo "python3 (3.11) is required"; exit 1; }
@@ -48,3 +48,32 @@ SERVE_CONFIG ?= configs/local.yaml
 serve: install model
 	@echo "[serve] $(SERVE_CONFIG): OpenAI API at http://127.0.0.1:8000/v1 once 'OpenAI-compatible API ready' is logged (about 30 s); Ctrl-C stops it"
 	RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 $(VENV)/bin/serve run $(SERVE_CONFIG)
+
+# ---- observability (issue 5) ----------------------------------------------------------------------
+# Prometheus + promtool from Debian's `prometheus` package, installed once (as root, or with sudo).
+# Debian's package may try to start its own service; in containers without systemd it does not.
+.PHONY: system-deps monitor dashboards dashboard-png
+system-deps:
+	@command -v promtool >/dev/null 2>&1 && command -v prometheus >/dev/null 2>&1 || { \
+	  echo "[system-deps] installing prometheus (apt)"; \
+	  SUDO=; [ "$$(id -u)" = 0 ] || SUDO=sudo; \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends prometheus; }
+
+# Prometheus on http://127.0.0.1:9090 scraping the running Ray cluster (`make serve` in another
+# terminal) through Ray's service-discovery file; data in .prometheus/ (Ctrl-C stops it).
+PROMETHEUS_PORT ?= 9090
+PROMETHEUS_DATA ?= .prometheus
+monitor: system-deps
+	promtool check config deploy/prometheus/prometheus.yml
+	@echo "[monitor] Prometheus at http://127.0.0.1:$(PROMETHEUS_PORT) (targets: /targets, alerts: /alerts)"
+	prometheus --config.file=deploy/prometheus/prometheus.yml --storage.tsdb.path=$(PROMETHEUS_DATA) \
+	  --web.listen-address=127.0.0.1:$(PROMETHEUS_PORT) --storage.tsdb.retention.time=7d
+
+# Upload dashboards/*.json to Grafana by uid (idempotent): make dashboards GRAFANA_URL=... GRAFANA_TOKEN=...
+dashboards: install
+	$(PY) dashboards/upload.py
+
+# Key dashboard panels as PNGs from Prometheus (no Grafana needed) into reports/dashboard/
+PROMETHEUS_URL ?= http://127.0.0.1:$(PROMETHEUS_PORT)
+dashboard-png: install
+	$(PY) dashboards/render_panels.py --prometheus-url $(PROMETHEUS_URL) --out reports/dashboard --minutes 30
