@@ -20,8 +20,20 @@ logger = logging.getLogger(__name__)
 _SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <cfloat>
 #include <cmath>
+#include <cstring>
 #include <vector>
+
+// fp32 view of one cache/query element; the bf16 case is a shift the compiler vectorizes
+static inline float to_f32(float x) { return x; }
+static inline float to_f32(c10::Half x) { return static_cast<float>(x); }
+static inline float to_f32(c10::BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
 
 template <typename T>
 static void decode_impl(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
@@ -46,39 +58,53 @@ static void decode_impl(torch::Tensor out, torch::Tensor q, torch::Tensor k_cach
       scores.resize(G * len);
       for (int64_t g = 0; g < G; ++g)
         for (int64_t d = 0; d < D; ++d)
-          qf[g * D + d] = static_cast<float>(qp[b * q_b + (kvh * G + g) * q_h + d]) * sc;
-      std::vector<float> mx(G, -INFINITY), sum(G, 0.f);
-      for (int64_t t = 0; t < len; ++t) {
-        const T* kr = kp + ((bt[b * nb + t / bs] * bs + t % bs) * Hkv + kvh) * D;
-        for (int64_t g = 0; g < G; ++g) {
-          const float* qg = qf.data() + g * D;
-          float s = 0.f;
+          qf[g * D + d] = to_f32(qp[b * q_b + (kvh * G + g) * q_h + d]) * sc;
+      // scores = q . k for every context token, block by block
+      for (int64_t start = 0, blk = 0; start < len; start += bs, ++blk) {
+        const int64_t n = std::min(bs, len - start);
+        const T* kb = kp + (bt[b * nb + blk] * bs * Hkv + kvh) * D;
+        for (int64_t i = 0; i < n; ++i) {
+          const T* kr = kb + i * row;
+          for (int64_t g = 0; g < G; ++g) {
+            const float* qg = qf.data() + g * D;
+            float s = 0.f;
 #pragma omp simd reduction(+ : s)
-          for (int64_t d = 0; d < D; ++d) s += qg[d] * static_cast<float>(kr[d]);
-          scores[g * len + t] = s;
-          mx[g] = s > mx[g] ? s : mx[g];
+            for (int64_t d = 0; d < D; ++d) s += qg[d] * to_f32(kr[d]);
+            scores[g * len + start + i] = s;
+          }
         }
       }
+      // softmax numerators (vectorized exp), then p . v block by block
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t g = 0; g < G; ++g)
+      std::vector<float> inv(G);
+      for (int64_t g = 0; g < G; ++g) {
+        float* sg = scores.data() + g * len;
+        float mx = -FLT_MAX;
+        for (int64_t t = 0; t < len; ++t) mx = sg[t] > mx ? sg[t] : mx;
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
         for (int64_t t = 0; t < len; ++t) {
-          float e = std::exp(scores[g * len + t] - mx[g]);
-          scores[g * len + t] = e;
-          sum[g] += e;
+          sg[t] = std::exp(sg[t] - mx);
+          sum += sg[t];
         }
-      for (int64_t t = 0; t < len; ++t) {
-        const T* vr = vp + ((bt[b * nb + t / bs] * bs + t % bs) * Hkv + kvh) * D;
-        for (int64_t g = 0; g < G; ++g) {
-          const float p = scores[g * len + t];
-          float* ag = acc.data() + g * D;
+        inv[g] = 1.f / sum;
+      }
+      for (int64_t start = 0, blk = 0; start < len; start += bs, ++blk) {
+        const int64_t n = std::min(bs, len - start);
+        const T* vb = vp + (bt[b * nb + blk] * bs * Hkv + kvh) * D;
+        for (int64_t i = 0; i < n; ++i) {
+          const T* vr = vb + i * row;
+          for (int64_t g = 0; g < G; ++g) {
+            const float p = scores[g * len + start + i];
+            float* ag = acc.data() + g * D;
 #pragma omp simd
-          for (int64_t d = 0; d < D; ++d) ag[d] += p * static_cast<float>(vr[d]);
+            for (int64_t d = 0; d < D; ++d) ag[d] += p * to_f32(vr[d]);
+          }
         }
       }
       for (int64_t g = 0; g < G; ++g) {
-        const float inv = 1.f / sum[g];
         T* og = op + b * o_b + (kvh * G + g) * o_h;
-        for (int64_t d = 0; d < D; ++d) og[d] = static_cast<T>(acc[g * D + d] * inv);
+        for (int64_t d = 0; d < D; ++d) og[d] = static_cast<T>(acc[g * D + d] * inv[g]);
       }
     }
   });
@@ -108,7 +134,8 @@ def paged_decode_kernel():
             name="serve_app_paged_decode",
             cpp_sources=_SOURCE,
             functions=["paged_decode"],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            # fast-math for vectorized exp (glibc libmvec); finite-math off to keep inf/nan semantics
+            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only"],
             extra_ldflags=["-fopenmp"],
             verbose=bool(os.environ.get("SERVE_APP_VERBOSE_BUILD")),
         )
