@@ -65,3 +65,7 @@ class PrometheusAPI:
 
     def rule_groups(self) -> list[dict[str, Any]]:
         return self._get("/api/v1/rules")["groups"]
+
+    def alerts(self) -> list[dict[str, Any]]:
+        """Pending and firing alerts."""
+        return self._get("/api/v1/alerts")["alerts"]
