@@ -42,12 +42,13 @@ clean:
 
 # ---- serving (issue 3) ----------------------------------------------------------------------------
 # OpenAI-compatible API on http://127.0.0.1:8000/v1 (2 LLMServer replicas); Ctrl-C stops Serve and Ray.
-# RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 makes Ray use the loopback address (not eth0) for its own traffic.
+# RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 makes Ray use the loopback address (not eth0) for its own traffic;
+# RAY_DEDUP_LOGS=0 shows every replica's lines (Ray would hold back look-alike lines of the second replica).
 SERVE_CONFIG ?= configs/local.yaml
 .PHONY: serve
 serve: install model
 	@echo "[serve] $(SERVE_CONFIG): OpenAI API at http://127.0.0.1:8000/v1 once 'OpenAI-compatible API ready' is logged (about 30 s); Ctrl-C stops it"
-	RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 $(VENV)/bin/serve run $(SERVE_CONFIG)
+	RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_DEDUP_LOGS=0 $(VENV)/bin/serve run $(SERVE_CONFIG)
 
 # ---- observability (issue 5) ----------------------------------------------------------------------
 # Prometheus + promtool from Debian's `prometheus` package, installed once (as root, or with sudo).

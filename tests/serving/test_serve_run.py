@@ -76,7 +76,8 @@ def local_config(tmp_path) -> tuple[Path, int]:
 def test_serve_run_local_config(local_config, tmp_path):
     config_path, port = local_config
     base = f"http://127.0.0.1:{port}"
-    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_ADDRESS": "local"}  # as `make serve`, a fresh instance
+    # as `make serve` (loopback only, every replica's log lines shown), on a fresh Ray instance
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_DEDUP_LOGS": "0", "RAY_ADDRESS": "local"}
     env.pop("SERVE_APP_API_KEY", None)
     log_path = tmp_path / "serve.log"
     start = time.monotonic()
@@ -110,7 +111,7 @@ def test_serve_run_local_config(local_config, tmp_path):
         assert httpx.get(f"{base}/health", timeout=10).json()["status"] == "ok"
         assert "OpenAI-compatible API ready" in log_path.read_text()
         # the API answers once one replica is up; the second one follows
-        wait_for(lambda: log_path.read_text().count("LLMServer replica ready") >= 2, 90, message="both replicas")
+        wait_for(lambda: log_path.read_text().count("LLMServer replica ready") >= 2, 120, message="both replicas")
         print(f"both replicas ready after {time.monotonic() - start:.1f} s")
     finally:
         _stop(proc)
