@@ -24,12 +24,15 @@ class EngineCore:
         args = self.model_runner.args
         block_size = config.cache.block_size
         num_blocks = self.model_runner.num_blocks
-        # the context length: the model's, the user's cap, what the KV cache can hold, the sliding window
+        # the context length: the model's, the user's cap, what the KV cache holds, the sliding window,
+        # and without chunked prefill the step token budget
         limits = [args.max_position_embeddings, num_blocks * block_size]
         if config.model.max_model_len:
             limits.append(config.model.max_model_len)
         if args.sliding_window:
             limits.append(args.sliding_window)
+        if not config.scheduler.enable_chunked_prefill:  # a whole prompt (or recompute) must fit one step
+            limits.append(config.scheduler.max_num_batched_tokens)
         self.max_model_len = min(limits)
         self.eos_token_id = hf_config.get("eos_token_id")
         if isinstance(self.eos_token_id, list):

@@ -21,10 +21,13 @@ def fake_run(scheduler_output) -> ModelRunnerOutput:
     return ModelRunnerOutput(tuple(sampled), tuple(7 for _ in sampled))
 
 
-def make_scheduler(num_blocks: int, budget: int, max_seqs: int, batching: str = "continuous", prefix: bool = True):
+def make_scheduler(num_blocks: int, budget: int, max_seqs: int, batching: str = "continuous", prefix: bool = True, chunked: bool = True):
     bm = BlockManager(num_blocks, BLOCK, enable_prefix_caching=prefix)
-    config = SchedulerConfig(batching=batching, max_num_seqs=max_seqs, max_num_batched_tokens=budget, batch_timeout_s=0.0)
-    return Scheduler(config, bm, max_model_len=num_blocks * BLOCK), bm
+    config = SchedulerConfig(batching=batching, max_num_seqs=max_seqs, max_num_batched_tokens=budget,
+                             batch_timeout_s=0.0, enable_chunked_prefill=chunked)
+    # as EngineCore does: without chunked prefill a whole sequence must fit one step's budget
+    max_model_len = num_blocks * BLOCK if chunked else min(num_blocks * BLOCK, budget)
+    return Scheduler(config, bm, max_model_len=max_model_len), bm
 
 
 def step(scheduler: Scheduler):
@@ -53,14 +56,15 @@ ops = st.lists(
     max_seqs=st.integers(1, 8),
     batching=st.sampled_from(["continuous", "dynamic", "static"]),
     prefix=st.booleans(),
+    chunked=st.booleans(),
 )
-def test_random_traffic_keeps_integrity(ops, num_blocks, budget, max_seqs, batching, prefix):
-    scheduler, bm = make_scheduler(num_blocks, budget, max_seqs, batching, prefix)
+def test_random_traffic_keeps_integrity(ops, num_blocks, budget, max_seqs, batching, prefix, chunked):
+    scheduler, bm = make_scheduler(num_blocks, budget, max_seqs, batching, prefix, chunked)
     added = 0
     for kind, a, b, family in ops:
         if kind == "add":
             # prompts from a few families share prefixes, so the prefix cache gets hits
-            prompt = [family * 100 + i for i in range(min(a, num_blocks * BLOCK - 1))]
+            prompt = [family * 100 + i for i in range(min(a, scheduler.max_model_len - 1))]
             scheduler.add_request(Request(f"r{added}", prompt, SamplingParams(max_tokens=b, ignore_eos=True), None, 0.0))
             added += 1
         elif kind == "step":
