@@ -139,6 +139,9 @@ class ServeConfig:
     named by `api_key_env` when the app is built; empty means no authentication.
     `stat_logger_factories` are "module:callable" paths, each called in the replica as
     `factory(config)` to make one engine `StatLogger`.
+    Routing (DESIGN.md §6): `router` picks the LLMServer request router (`kv_aware`, Serve's `pow2`,
+    `round_robin`); `router_kwargs` tune the KV-aware one (weights, staleness bound; names in
+    `serving.routing_policy.KVRouterSettings`); `request_router_class` plugs in any other router.
     """
 
     model: str
@@ -153,7 +156,10 @@ class ServeConfig:
     max_ongoing_requests: int = 64
     max_queued_requests: int = 128
     request_routing_stats_period_s: float = 0.5
-    request_router_class: str = ""  # import path of a Serve RequestRouter; "" = Serve's default
+    router: str = "kv_aware"  # kv_aware | pow2 (Serve's default) | round_robin (serve_app.serving.router)
+    router_kwargs: tuple[tuple[str, Any], ...] = ()  # KVCacheAwareRouter options (routing_policy.KVRouterSettings)
+    request_router_class: str = ""  # import path of another Serve RequestRouter; overrides `router`
+    max_replicas_per_node: int = 0  # 0: no limit (1: one replica per node, e.g. one per GPU machine)
     health_check_period_s: float = 2.0
     health_check_timeout_s: float = 30.0
     graceful_shutdown_timeout_s: float = 5.0
@@ -175,6 +181,8 @@ class ServeConfig:
     def __post_init__(self) -> None:
         engine = self.engine.items() if isinstance(self.engine, dict) else self.engine
         object.__setattr__(self, "engine", tuple(sorted((str(k), v) for k, v in engine)))
+        router_kwargs = self.router_kwargs.items() if isinstance(self.router_kwargs, dict) else self.router_kwargs
+        object.__setattr__(self, "router_kwargs", tuple(sorted((str(k), v) for k, v in router_kwargs)))
         object.__setattr__(self, "stat_logger_factories", tuple(self.stat_logger_factories))
         _require(bool(self.model), "model", "a model directory is required")
         _require(self.backend in BACKENDS, "backend", f"must be one of {BACKENDS}, got {self.backend!r}")
@@ -195,6 +203,15 @@ class ServeConfig:
             _require(isinstance(path, str) and ":" in path, "stat_logger_factories", f"expected 'module:callable', got {path!r}")
         if self.request_router_class:
             _require("." in self.request_router_class or ":" in self.request_router_class, "request_router_class", "expected an import path")
+        from serve_app.serving.routing_policy import ROUTER_CLASSES, KVRouterSettings  # no Ray import
+
+        _require(self.router in ROUTER_CLASSES, "router", f"must be one of {tuple(ROUTER_CLASSES)}, got {self.router!r}")
+        if self.router_kwargs:
+            _require(self.router == "kv_aware" and not self.request_router_class, "router_kwargs",
+                     "only the kv_aware router takes options")
+            KVRouterSettings.from_kwargs(dict(self.router_kwargs))  # validates names and values
+        _require(isinstance(self.max_replicas_per_node, int) and self.max_replicas_per_node >= 0,
+                 "max_replicas_per_node", "must be an integer >= 0 (0: no limit)")
 
     @classmethod
     def from_dict(cls, args: dict[str, Any]) -> ServeConfig:

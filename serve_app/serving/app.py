@@ -20,6 +20,7 @@ from ray.serve.config import RequestRouterConfig
 from serve_app.config import ServeConfig
 from serve_app.serving.ingress import OpenAIIngress
 from serve_app.serving.llm_server import LLMServer
+from serve_app.serving.routing_policy import ROUTER_CLASSES
 
 logger = logging.getLogger(__name__)
 
@@ -41,12 +42,22 @@ def resolve_api_key(config: ServeConfig) -> str:
     return config.api_key or (os.environ.get(config.api_key_env, "") if config.api_key_env else "")
 
 
+def request_router_config(config: ServeConfig) -> RequestRouterConfig:
+    """The LLMServer router: `request_router_class` if set, else the `router` by name, with its kwargs."""
+    router_class = config.request_router_class or ROUTER_CLASSES[config.router]
+    kwargs: dict[str, Any] = {}
+    if router_class.replace(":", ".") == ROUTER_CLASSES["kv_aware"].replace(":", "."):
+        kwargs = {"model_name": config.model_name, "block_size": config.engine_config().cache.block_size,
+                  "stats_period_s": config.request_routing_stats_period_s, **dict(config.router_kwargs)}
+    elif router_class.replace(":", ".") == ROUTER_CLASSES["round_robin"].replace(":", "."):
+        kwargs = {"model_name": config.model_name}
+    return RequestRouterConfig(request_router_class=router_class, request_router_kwargs=kwargs,
+                               request_routing_stats_period_s=config.request_routing_stats_period_s)
+
+
 def build_app_from_config(config: ServeConfig) -> Application:
     api_key = resolve_api_key(config)
     config = dataclasses.replace(config, api_key="")  # the key goes to the ingress only, never to replicas' args
-    router_kwargs: dict[str, Any] = {"request_routing_stats_period_s": config.request_routing_stats_period_s}
-    if config.request_router_class:
-        router_kwargs["request_router_class"] = config.request_router_class
     actor_options: dict[str, Any] = {"num_cpus": config.num_cpus_per_replica}
     if config.num_gpus_per_replica:
         actor_options["num_gpus"] = config.num_gpus_per_replica
@@ -55,10 +66,11 @@ def build_app_from_config(config: ServeConfig) -> Application:
         ray_actor_options=actor_options,
         max_ongoing_requests=config.max_ongoing_requests,
         max_queued_requests=config.max_queued_requests,
-        request_router_config=RequestRouterConfig(**router_kwargs),
+        request_router_config=request_router_config(config),
         health_check_period_s=config.health_check_period_s,
         health_check_timeout_s=config.health_check_timeout_s,
         graceful_shutdown_timeout_s=config.graceful_shutdown_timeout_s,
+        **({"max_replicas_per_node": config.max_replicas_per_node} if config.max_replicas_per_node else {}),
     ).bind(config)
     ingress = OpenAIIngress.options(
         num_replicas=config.ingress_num_replicas,
@@ -66,8 +78,8 @@ def build_app_from_config(config: ServeConfig) -> Application:
         max_ongoing_requests=config.ingress_max_ongoing_requests,
         max_queued_requests=config.ingress_max_queued_requests,
     ).bind(server, config, api_key)
-    logger.info("serving %s (%d LLMServer replica(s), API key %s)", config.model_name, config.num_replicas,
-                "required" if api_key else "not required")
+    logger.info("serving %s (%d LLMServer replica(s), router %s, API key %s)", config.model_name, config.num_replicas,
+                config.request_router_class or config.router, "required" if api_key else "not required")
     return ingress
 
 

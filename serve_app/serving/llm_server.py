@@ -7,8 +7,8 @@ Called only through a `DeploymentHandle` (from `OpenAIIngress`):
   engine and frees its KV blocks.
 - `model_info()` → `ModelInfo` (served name, context length).
 - Ray Serve calls `record_routing_stats()` every `request_routing_stats_period_s` and hands the dict
-  (`kv_cache_usage`, `num_free_blocks`, `num_total_blocks`, `num_waiting`, `num_running`) to request
-  routers; and `check_health()` every `health_check_period_s`: it raises once the engine loop died,
+  (`kv_cache_usage`, `num_free_blocks`, `num_total_blocks`, `num_waiting`, `num_running`, `sampled_at`)
+  to request routers (`serve_app.serving.router`); and `check_health()` every `health_check_period_s`: it raises once the engine loop died,
   and Serve replaces the replica.
 
 torch is imported only inside the replica (when the backend starts), never at module load.
@@ -119,7 +119,10 @@ class LLMServer:
         return self.backend.routing_stats().as_dict()
 
     def record_routing_stats(self) -> dict[str, float | int]:
-        return self.backend.routing_stats().as_dict()
+        # `sampled_at` (this machine's wall clock) lets the router tell how old the sample is and which
+        # of its requests the sample already includes; it also makes every sample differ, so Serve's
+        # controller re-broadcasts each one (it only pushes changed stats)
+        return {**self.backend.routing_stats().as_dict(), "sampled_at": time.time()}
 
     def check_health(self) -> None:
         self.backend.check_health()

@@ -1,0 +1,300 @@
+"""KV-cache-aware routing policy, free of Ray: settings, request-size estimates, in-flight ledger, ranking.
+
+`serve_app.serving.router.KVCacheAwareRouter` is the Ray Serve adapter around these pieces
+(DESIGN.md §6); keeping them here makes every decision testable without a cluster.
+
+Estimated occupancy of a replica (fraction of its KV blocks, may exceed 1 when demand exceeds room):
+
+    (used blocks in its last published sample
+     + waiting_weight × num_waiting × mean blocks per routed request   # queued demand, not yet in the cache
+     + blocks of the requests this router sent there since that sample) / num_total_blocks
+
+A request's blocks = ceil((prompt_weight × prompt tokens + output_weight × min(max_tokens,
+max_expected_output_tokens)) / block_size). "Since that sample" means routed after
+`sampled_at − sample_lag_s` (`sampled_at` is the replica's wall clock when it took the sample;
+the lag covers transit and admission into the engine). Requests the router sent earlier are already
+in the sample, so they are not counted twice; requests that finished are dropped from the ledger.
+
+Ranking: if every candidate has a sample younger than `max_stats_age_s`, the replicas are ordered by
+estimated occupancy; those within `tie_tolerance` of the best form the first group and are ordered by
+(waiting requests + requests routed since the sample, in-flight requests). Otherwise (some replica
+has no sample yet or only a stale one) every candidate is ordered by this router's in-flight count
+(least first). Either way the result is a full order, so Serve falls through to the next replica when
+one has no free slot (max_ongoing_requests).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+# The routers `ServeConfig.router` selects (import paths, so this module needs no Ray import).
+ROUTER_CLASSES: dict[str, str] = {
+    "kv_aware": "serve_app.serving.router:KVCacheAwareRouter",
+    "round_robin": "serve_app.serving.router:RoundRobinRouter",
+    "pow2": "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter",  # Serve's default
+}
+# ChatML overhead per message ("<|im_start|>role\n" ... "<|im_end|>\n") and for the assistant prefix
+CHAT_TOKENS_PER_MESSAGE = 5
+CHAT_TOKENS_FIXED = 3
+
+
+def _require(cond: bool, name: str, msg: str) -> None:
+    if not cond:
+        raise ValueError(f"{name}: {msg}")
+
+
+@dataclass(frozen=True)
+class KVRouterSettings:
+    """`request_router_kwargs` of `KVCacheAwareRouter`; unknown names or bad values raise ValueError."""
+
+    model_name: str = ""  # the `model` label of the router metrics
+    block_size: int = 16  # tokens per KV block (the engine's `block_size`)
+    prompt_weight: float = 1.0  # weight of prompt tokens in a request's block estimate
+    output_weight: float = 1.0  # expected fraction of max_tokens that a request generates
+    max_expected_output_tokens: int = 1024  # caps max_tokens (chat defaults it to the whole context)
+    chars_per_token: float = 4.0  # text prompts are not tokenized by the router
+    waiting_weight: float = 1.0  # weight of a replica's waiting queue (× mean request blocks); 0: tie-break only
+    tie_tolerance: float = 0.02  # occupancies within this of the best are ties
+    max_stats_age_s: float = 0.0  # older samples are stale; 0: max(1 s, 5 × stats_period_s)
+    stats_period_s: float = 0.5  # the deployment's request_routing_stats_period_s
+    sample_lag_s: float = 0.1  # a request routed this long before a sample may still be missing from it
+    reservation_ttl_s: float = 60.0  # drop a choice Serve never confirmed (routed / completed) after this
+    metrics: str = "ray"  # "ray" (ray.serve.metrics), "prometheus" (own registry, for tests) or "none"
+    seed: int | None = None  # random tie-break among equal replicas
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.block_size, int) and self.block_size >= 1, "block_size", "must be an integer >= 1")
+        for name in ("prompt_weight", "output_weight", "waiting_weight", "tie_tolerance", "sample_lag_s", "max_stats_age_s"):
+            value = getattr(self, name)
+            _require(isinstance(value, int | float) and value >= 0 and math.isfinite(value), name, "must be a finite number >= 0")
+        _require(isinstance(self.max_expected_output_tokens, int) and self.max_expected_output_tokens >= 0,
+                 "max_expected_output_tokens", "must be an integer >= 0")
+        for name in ("chars_per_token", "stats_period_s", "reservation_ttl_s"):
+            value = getattr(self, name)
+            _require(isinstance(value, int | float) and value > 0, name, "must be > 0")
+        _require(self.metrics in ("ray", "prometheus", "none"), "metrics", "must be 'ray', 'prometheus' or 'none'")
+        if self.max_stats_age_s == 0:
+            object.__setattr__(self, "max_stats_age_s", max(1.0, 5 * self.stats_period_s))
+
+    @classmethod
+    def from_kwargs(cls, kwargs: Mapping[str, Any] | None = None) -> KVRouterSettings:
+        kwargs = dict(kwargs or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ValueError(f"{unknown[0]}: not a KVCacheAwareRouter option (known: {', '.join(sorted(known))})")
+        return cls(**kwargs)
+
+
+# ---- request size ------------------------------------------------------------------------------------
+def estimate_prompt_tokens(request: Any, chars_per_token: float = 4.0) -> int:
+    """Prompt length of a `GenerateRequest`-like object (`prompt` text / token ids, or chat `messages`).
+
+    Token ids are counted exactly; text is estimated from its length (the router does not tokenize).
+    Anything else (e.g. a `model_info()` call's empty arguments) is 0.
+    """
+    prompt = getattr(request, "prompt", None)
+    messages = getattr(request, "messages", None)
+    if isinstance(prompt, list | tuple):
+        return len(prompt)
+    if isinstance(prompt, str):
+        return math.ceil(len(prompt) / chars_per_token)
+    if messages:
+        chars = 0
+        for message in messages:
+            content = message.get("content") if isinstance(message, Mapping) else None
+            if isinstance(content, str):
+                chars += len(content)
+            elif isinstance(content, list):  # OpenAI content parts
+                chars += sum(len(p.get("text", "")) for p in content if isinstance(p, Mapping))
+        return math.ceil(chars / chars_per_token) + CHAT_TOKENS_PER_MESSAGE * len(messages) + CHAT_TOKENS_FIXED
+    return 0
+
+
+def estimate_request_blocks(request: Any, settings: KVRouterSettings) -> int:
+    """KV blocks the request will hold at its end (estimate; 0 for anything that is not a generation)."""
+    prompt_tokens = estimate_prompt_tokens(request, settings.chars_per_token)
+    if prompt_tokens == 0:
+        return 0
+    params = getattr(request, "sampling_params", None)
+    max_tokens = getattr(params, "max_tokens", 0) or 0
+    output_tokens = min(int(max_tokens), settings.max_expected_output_tokens)
+    tokens = settings.prompt_weight * prompt_tokens + settings.output_weight * output_tokens
+    return max(1, math.ceil(tokens / settings.block_size))
+
+
+def find_request(args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
+    """The generation request among a handle call's arguments (`LLMServer.generate(request)`)."""
+    for value in (*args, *kwargs.values()):
+        if hasattr(value, "sampling_params") and (hasattr(value, "prompt") or hasattr(value, "messages")):
+            return value
+    return None
+
+
+# ---- replica samples ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ReplicaSample:
+    """One replica's published routing stats (`LLMServer.record_routing_stats`)."""
+
+    kv_cache_usage: float
+    num_free_blocks: int
+    num_total_blocks: int
+    num_waiting: int
+    num_running: int
+    sampled_at: float | None  # replica wall clock (time.time()) when taken; None if not published
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_total_blocks - self.num_free_blocks
+
+    @classmethod
+    def parse(cls, stats: Mapping[str, Any] | None) -> ReplicaSample | None:
+        """None when the dict is empty (no sample yet) or lacks the occupancy fields."""
+        if not stats:
+            return None
+        try:
+            total = int(stats["num_total_blocks"])
+            usage = float(stats["kv_cache_usage"])
+            free = int(stats.get("num_free_blocks", round(total * (1.0 - usage))))
+            sampled_at = stats.get("sampled_at")
+            return cls(usage, free, total, int(stats.get("num_waiting", 0)), int(stats.get("num_running", 0)),
+                       None if sampled_at is None else float(sampled_at))
+        except (KeyError, TypeError, ValueError):
+            return None
+
+
+# ---- in-flight ledger --------------------------------------------------------------------------------
+@dataclass
+class LedgerEntry:
+    request_id: str
+    replica_id: str
+    blocks: int
+    routed_at: float  # router wall clock
+    confirmed: bool = False  # Serve reported it routed (accepted by the replica)
+    pending: Any = None  # the PendingRequest of an unconfirmed choice (to notice cancellation)
+
+
+@dataclass
+class InFlightLedger:
+    """Requests this router sent (or is about to send) to each replica, until they complete.
+
+    A choice is reserved when the router makes it (so concurrent routing decisions see it), confirmed
+    when Serve reports the request routed, moved if Serve sent it elsewhere (the chosen replica was
+    full), and dropped when the request completes, fails, is rejected or its routing is cancelled.
+    """
+
+    entries: dict[str, LedgerEntry] = field(default_factory=dict)
+    by_replica: dict[str, dict[str, LedgerEntry]] = field(default_factory=dict)
+
+    def _place(self, entry: LedgerEntry) -> None:
+        self.entries[entry.request_id] = entry
+        self.by_replica.setdefault(entry.replica_id, {})[entry.request_id] = entry
+
+    def _unplace(self, entry: LedgerEntry) -> None:
+        self.entries.pop(entry.request_id, None)
+        on_replica = self.by_replica.get(entry.replica_id)
+        if on_replica is not None:
+            on_replica.pop(entry.request_id, None)
+
+    def reserve(self, request_id: str, replica_id: str, blocks: int, now: float, pending: Any = None) -> None:
+        old = self.entries.get(request_id)
+        if old is not None:
+            if old.confirmed:  # already routed: a duplicate choice changes nothing
+                return
+            self._unplace(old)
+        self._place(LedgerEntry(request_id, replica_id, blocks, now, pending=pending))
+
+    def confirm(self, request_id: str, replica_id: str, blocks: int, now: float) -> LedgerEntry:
+        entry = self.entries.get(request_id)
+        if entry is not None and entry.replica_id != replica_id:
+            self._unplace(entry)
+            entry = LedgerEntry(request_id, replica_id, entry.blocks, now)
+            self._place(entry)
+        elif entry is None:
+            entry = LedgerEntry(request_id, replica_id, blocks, now)
+            self._place(entry)
+        entry.confirmed = True
+        entry.pending = None
+        return entry
+
+    def complete(self, request_id: str, replica_id: str) -> bool:
+        """Drop the request if it is on `replica_id` (a late callback for an earlier attempt on another
+        replica leaves the current attempt alone)."""
+        entry = self.entries.get(request_id)
+        if entry is None or entry.replica_id != replica_id:
+            return False
+        self._unplace(entry)
+        return True
+
+    def expire(self, now: float, ttl_s: float) -> int:
+        """Drop unconfirmed choices whose routing was cancelled or that Serve never followed up."""
+        stale = [e for e in self.entries.values() if not e.confirmed and (
+            now - e.routed_at > ttl_s or _cancelled(e.pending))]
+        for e in stale:
+            self._unplace(e)
+        return len(stale)
+
+    def remove_replica(self, replica_id: str) -> None:
+        for entry in list(self.by_replica.pop(replica_id, {}).values()):
+            self.entries.pop(entry.request_id, None)
+
+    def num_in_flight(self, replica_id: str) -> int:
+        return len(self.by_replica.get(replica_id, ()))
+
+    def since(self, replica_id: str, t: float | None) -> tuple[int, int]:
+        """(blocks, requests) routed to the replica after time `t` (None: all in flight)."""
+        blocks = count = 0
+        for entry in self.by_replica.get(replica_id, {}).values():
+            if t is None or entry.routed_at > t:
+                blocks += entry.blocks
+                count += 1
+        return blocks, count
+
+
+def _cancelled(pending: Any) -> bool:
+    future = getattr(pending, "future", None)
+    return future is not None and future.cancelled()
+
+
+# ---- ranking -----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ReplicaView:
+    """What the ranking knows about one candidate at decision time."""
+
+    replica_id: str
+    sample: ReplicaSample | None
+    stats_age_s: float | None  # None: no sample
+    num_in_flight: int  # this router's requests on it (routed, not completed)
+    pending_blocks: int = 0  # blocks routed since its sample
+    pending_requests: int = 0  # requests routed since its sample
+    occupancy: float = math.inf  # estimated, see module docstring (inf without a fresh sample)
+
+
+def estimate_occupancy(sample: ReplicaSample, pending_blocks: int, mean_request_blocks: float,
+                       settings: KVRouterSettings) -> float:
+    total = max(sample.num_total_blocks, 1)
+    waiting = settings.waiting_weight * sample.num_waiting * mean_request_blocks
+    return (sample.num_used_blocks + waiting + pending_blocks) / total
+
+
+def rank_replicas(views: Sequence[ReplicaView], settings: KVRouterSettings,
+                  rng: random.Random | None = None) -> tuple[list[ReplicaView], str]:
+    """Candidates best first, and the mode used: "kv" (occupancy) or "fallback" (least in-flight)."""
+    rng = rng or random
+    noise = {v.replica_id: rng.random() for v in views}
+    fresh = all(v.sample is not None and v.stats_age_s is not None and v.stats_age_s <= settings.max_stats_age_s
+                for v in views)
+    if not views:
+        return [], "kv"
+    if not fresh:
+        return sorted(views, key=lambda v: (v.num_in_flight, v.occupancy, noise[v.replica_id])), "fallback"
+    best = min(v.occupancy for v in views)
+    tied = [v for v in views if v.occupancy <= best + settings.tie_tolerance]
+    rest = [v for v in views if v.occupancy > best + settings.tie_tolerance]
+    tied.sort(key=lambda v: (v.sample.num_waiting + v.pending_requests, v.num_in_flight, v.occupancy, noise[v.replica_id]))
+    rest.sort(key=lambda v: (v.occupancy, v.num_in_flight, noise[v.replica_id]))
+    return tied + rest, "kv"
