@@ -69,7 +69,8 @@ def fetch(api: PrometheusAPI, panel: dict[str, Any], values: dict[str, str], sta
 
 
 def _scale(unit: str) -> tuple[float, str]:
-    return {"percentunit": (100.0, "%"), "s": (1.0, "seconds"), "reqps": (1.0, "requests/s")}.get(unit, (1.0, unit or ""))
+    return {"percentunit": (100.0, "%"), "s": (1.0, "seconds"), "reqps": (1.0, "requests/s"),
+            "short": (1.0, "")}.get(unit, (1.0, unit or ""))
 
 
 def draw_timeseries(ax: Any, panel: dict[str, Any], results: list[dict[str, Any]], t0: float) -> None:
@@ -159,7 +160,7 @@ def render(api: PrometheusAPI, dashboard: dict[str, Any], out_dir: Path, titles:
     for ax in list(axes.flat)[len(fetched):]:
         ax.axis("off")
     fig.suptitle(f"{dashboard.get('title', '')} — {time.strftime('%Y-%m-%d %H:%M', time.localtime(start))} "
-                 f"+{(end - start) / 60:.0f} min", fontsize=12)
+                 f"+{(end - start) / 60:.1f} min", fontsize=12)
     fig.savefig(out_dir / "overview.png", dpi=90)
     plt.close(fig)
     (out_dir / "panels.json").write_text(json.dumps(summary, indent=2))

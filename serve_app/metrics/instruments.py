@@ -10,10 +10,14 @@ given per call. Neither library is imported at module load.
 
 from __future__ import annotations
 
+import logging
+import threading
 from collections.abc import Mapping
 from typing import Any, Protocol
 
 from serve_app.metrics.names import MODEL_LABEL, MetricSpec
+
+logger = logging.getLogger(__name__)
 
 Labels = Mapping[str, str]
 _NO_LABELS: Labels = {}
@@ -89,6 +93,8 @@ class RayInstrument(_Base):
         from ray.serve import metrics as serve_metrics
 
         self.spec = spec
+        self._lock = threading.Lock()
+        self._last: dict[tuple[tuple[str, str], ...], float] = {}  # gauges: last value per label set
         tag_keys = spec.label_names
         if spec.kind == "counter":
             self._metric = serve_metrics.Counter(spec.base_name, spec.help, tag_keys=tag_keys)
@@ -116,6 +122,15 @@ class RayInstrument(_Base):
     def set(self, value: float, labels: Labels = _NO_LABELS) -> None:
         self._check("gauge")
         self._metric.set(value, tags=self._tags(labels))
+        with self._lock:
+            self._last[tuple(sorted(labels.items()))] = value
+
+    def refresh(self) -> None:
+        """Set every gauge series again to its last value (see `RayInstruments`)."""
+        with self._lock:
+            last = list(self._last.items())
+        for labels, value in last:
+            self._metric.set(value, tags=dict(labels) or None)
 
     def observe(self, value: float, labels: Labels = _NO_LABELS) -> None:
         self._check("histogram")
@@ -136,10 +151,38 @@ class PrometheusInstruments:
 
 
 class RayInstruments:
-    """Factory of `ray.serve.metrics` instruments (Serve tags added by Ray inside a replica)."""
+    """Factory of `ray.serve.metrics` instruments (Serve tags added by Ray inside a replica).
 
-    def __init__(self, model: str) -> None:
+    Ray (2.60) drops a gauge series that has not been set again for a few export intervals (measured
+    here: gone ~10 s after its last `set` with a 1 s report interval), so an idle replica's KV usage
+    and queue gauges would vanish (dashboards: "no data"; Prometheus: stale). A daemon thread sets
+    every gauge of this factory again to its last value every `refresh_interval_s` (0: never);
+    a dead process's series still age out, as Ray intends. `close()` stops the thread.
+    """
+
+    def __init__(self, model: str, refresh_interval_s: float = 2.0) -> None:
         self.model = model
+        self.refresh_interval_s = refresh_interval_s
+        self._gauges: list[RayInstrument] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
 
     def __call__(self, spec: MetricSpec) -> Instrument:
-        return RayInstrument(spec, self.model)
+        instrument = RayInstrument(spec, self.model)
+        if spec.kind == "gauge" and self.refresh_interval_s > 0:
+            self._gauges.append(instrument)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._refresh_loop, name=f"metrics-refresh-{spec.name}", daemon=True)
+                self._thread.start()
+        return instrument
+
+    def _refresh_loop(self) -> None:
+        while not self._stop.wait(self.refresh_interval_s):
+            for gauge in list(self._gauges):
+                try:
+                    gauge.refresh()
+                except Exception:  # noqa: BLE001 - keep refreshing the others; never kill the process
+                    logger.debug("refreshing %s failed", gauge.spec.name, exc_info=True)
+
+    def close(self) -> None:
+        self._stop.set()

@@ -156,6 +156,11 @@ class PrometheusStatLogger(MetricsStatLogger):
 class RayStatLogger(MetricsStatLogger):
     """Engine metrics through `ray.serve.metrics` (in a Serve replica: with Serve's tags)."""
 
-    def __init__(self, model_name: str) -> None:
-        super().__init__(model_name, RayInstruments(model_name))
+    def __init__(self, model_name: str, gauge_refresh_interval_s: float = 2.0) -> None:
+        self._instruments = RayInstruments(model_name, gauge_refresh_interval_s)
+        super().__init__(model_name, self._instruments)
+
+    def close(self) -> None:
+        """Stop re-publishing the gauges (they then age out of Ray's exporter)."""
+        self._instruments.close()
 

@@ -37,6 +37,8 @@ class RouterMetrics:
 
     @classmethod
     def for_ray(cls, model_name: str) -> RouterMetrics:
+        """Through `ray.serve.metrics`; the age gauges are re-published every 2 s between decisions
+        (Ray drops gauges that are not set again for a few seconds)."""
         return cls(model_name, RayInstruments(model_name))
 
     @classmethod

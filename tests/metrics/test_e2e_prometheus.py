@@ -41,7 +41,6 @@ from tests.conftest import REPO
 MODEL_NAME = "smollm2-135m-instruct"
 NUM_REPLICAS = 2
 NUM_REQUESTS, MAX_TOKENS, CONCURRENCY = 12, 12, 6
-ROUTER_CLASS = "serve_app.serving.router.KVCacheAwareRouter"  # issue 4; its panels are checked once it exists
 RATE_INTERVAL = "30s"
 
 pytestmark = pytest.mark.timeout(480)
@@ -62,14 +61,6 @@ def wait_for(predicate, timeout_s: float, interval_s: float = 0.5, message: str 
             return last
         time.sleep(interval_s)
     raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {message} (last: {last!r})")
-
-
-def router_available() -> bool:
-    module, _, attr = ROUTER_CLASS.rpartition(".")
-    try:
-        return hasattr(__import__(module, fromlist=[attr]), attr)
-    except ImportError:
-        return False
 
 
 def _our_processes(marker: str) -> list[psutil.Process]:
@@ -107,15 +98,14 @@ def served(model_dir):
         "torch_num_threads": 1,  # a shared 2-core machine: one thread per replica
         "max_ongoing_requests": 32, "request_routing_stats_period_s": 0.5, "health_check_period_s": 2.0,
         "api_key_env": "", "engine": {"dtype": "float32", "num_blocks": 128, "max_num_seqs": 16},
+        "router": "kv_aware",  # KVCacheAwareRouter records the router metrics (RouterMetrics.for_ray)
     }
-    if router_available():
-        args["request_router_class"] = ROUTER_CLASS
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": http_port})
         serve.run(build_app(args), name="llm", route_prefix="/")
         print(f"\n[e2e] Ray + Serve app ready in {time.monotonic() - started:.1f} s")
         yield {"base_url": f"http://127.0.0.1:{http_port}", "temp_dir": temp_dir,
-               "sd_file": str(Path(temp_dir) / "prom_metrics_service_discovery.json"), "router": "request_router_class" in args}
+               "sd_file": str(Path(temp_dir) / "prom_metrics_service_discovery.json")}
     finally:
         with contextlib.suppress(Exception):
             serve.shutdown()
@@ -140,7 +130,8 @@ def prometheus(served, tmp_path_factory):
         pytest.fail("prometheus not found: run `make system-deps` (Debian's prometheus package)")
     work = tmp_path_factory.mktemp("prometheus")
     config = yaml.safe_load((REPO / "deploy/prometheus/prometheus.yml").read_text())
-    config["global"].update(scrape_interval="1s", scrape_timeout="1s", evaluation_interval="1s")
+    # 2 s: a loaded 2-core machine can take over a second to answer a scrape
+    config["global"].update(scrape_interval="2s", scrape_timeout="2s", evaluation_interval="1s")
     config["rule_files"] = [str(REPO / "deploy/prometheus" / f) for f in config["rule_files"]]
     (job,) = config["scrape_configs"]
     job["file_sd_configs"][0].update(files=[served["sd_file"]], refresh_interval="1s")
@@ -172,13 +163,19 @@ def load(served, prometheus):
     shared = "You are a concise assistant. Answer in one short sentence, without preamble or lists. " * 3
     topics = ["the sea", "the moon", "a cat", "Paris", "rain", "coffee"]
 
-    def scraping() -> bool:  # every target up, both replicas' series stored (counters at 0 before the load)
-        targets = prometheus.targets()
+    def scraping():  # every target scraped, both replicas' series stored (counters at 0 before the load)
+        targets = {t["scrapeUrl"]: (t["health"], t.get("lastError")) for t in prometheus.targets()}
+        ever_up = {s["metric"]["instance"] for s in prometheus.query('max_over_time(up{job="ray"}[5m]) == 1')}
         kv = prometheus.query("ray_llm_kv_cache_usage_ratio")
-        return bool(targets) and all(t["health"] == "up" for t in targets) and len(kv) == NUM_REPLICAS
+        ok = targets and len(ever_up) == len(targets) and len(kv) == NUM_REPLICAS
+        return True if ok else (targets, sorted(ever_up), len(kv))
 
-    wait_for(scraping, 60, message="Prometheus scraping every Ray target")
-    time.sleep(2)  # a couple of samples before the load starts
+    last: list = []
+    try:
+        wait_for(lambda: last.append(scraping()) or last[-1] is True, 90, message="Prometheus scraping every Ray target")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; targets, instances ever up, replicas with series: {last[-1]}") from None
+    time.sleep(4)  # a couple of samples before the load starts
     start = time.time()
 
     def one(i: int) -> dict:
@@ -196,8 +193,8 @@ def load(served, prometheus):
     assert all(r["choices"][0]["finish_reason"] == "length" for r in replies)
     # Ray reports every second, Prometheus scrapes every second: wait until the counts are complete
     wait_for(lambda: _scalar(prometheus, 'sum(ray_llm_request_success_total{finish_reason="length"})') == NUM_REQUESTS,
-             60, message="all requests counted in Prometheus")
-    time.sleep(2)  # and a couple after it
+             90, message="all requests counted in Prometheus")
+    time.sleep(4)  # and a couple after it
     return {"start": start, "end": time.time()}
 
 
@@ -209,10 +206,12 @@ def _scalar(api: PrometheusAPI, expr: str) -> float | None:
 def test_scrape_targets_are_rays_endpoints_on_loopback(prometheus, load):
     targets = prometheus.targets()
     assert len(targets) >= 2, targets  # the node's metrics agent + the dashboard (+ autoscaler)
+    ever_up = {s["metric"]["instance"] for s in prometheus.query('max_over_time(up{job="ray"}[5m]) == 1')}
     for t in targets:
         assert t["scrapeUrl"].startswith("http://127.0.0.1:"), t["scrapeUrl"]
-        assert t["health"] == "up", (t["scrapeUrl"], t.get("lastError"))
         assert t["labels"]["job"] == "ray"
+        # scraped successfully (a single slow scrape on a loaded machine is not a failure here)
+        assert t["labels"]["instance"] in ever_up, (t["scrapeUrl"], t["health"], t.get("lastError"))
 
 
 def test_known_traffic_reaches_prometheus_exactly(prometheus, load):
@@ -249,19 +248,15 @@ def test_every_dashboard_panel_returns_data(served, prometheus, load):
             assert options == [MODEL_NAME]
         else:
             assert len(options) == NUM_REPLICAS
-    skipped = set() if served["router"] else {names.ROUTER_STATS_AGE.name, names.ROUTER_ROUTED_REQUESTS.name}
     empty, checked = [], 0
     for t in dash.targets(board):
-        used = {names.series_to_metric(n).name for n in dash.metric_names(t.expr)}
-        if used & skipped:
-            continue
         expr = dash.substitute(t.expr, values, rate_interval=RATE_INTERVAL)
         series = prometheus.query_range(expr, load["start"] - 5, time.time(), 1.0)
         finite = [float(v) for s in series for _, v in s["values"] if math.isfinite(float(v))]
         checked += 1
         if not finite:
             empty.append(f"{t.panel_title} [{t.ref_id}]: {expr}")
-    print(f"[e2e] {checked} panel targets returned data" + (f"; router panels not checked (no {ROUTER_CLASS} yet)" if skipped else ""))
+    print(f"[e2e] {checked} panel targets returned data")
     if empty:  # context for the failure: what Prometheus holds over the window
         now = time.time()
         raw = prometheus.query_range('sum(ray_llm_request_success_total{finish_reason="length"})', load["start"] - 5, now, 1.0)
@@ -269,7 +264,11 @@ def test_every_dashboard_panel_returns_data(served, prometheus, load):
         durations = prometheus.query("scrape_duration_seconds")
         pytest.fail("panel targets without data:\n" + "\n".join(empty) + f"\nwindow {load['start'] - 5:.0f}..{now:.0f}"
                     f"\nsuccess counter samples: {raw}\nup: {up}\nscrape durations: {durations}")
-    assert checked >= len(dash.targets(board)) - 2
+    assert checked == len(dash.targets(board))
+    # the router's view lines up with the replicas' own: same replica ids
+    routed = prometheus.query("sum by (target_replica) (ray_llm_router_routed_requests_total)")
+    assert {s["metric"]["target_replica"] for s in routed} == set(values["replica"].strip("()").split("|"))
+    assert sum(float(s["value"][1]) for s in routed) >= NUM_REQUESTS  # + the ingress's model_info() calls
 
 
 def test_rules_evaluate_and_replica_down_alert_is_wired(prometheus, load):
@@ -303,3 +302,16 @@ def test_render_key_panels_to_png(prometheus, load, tmp_path):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5_000, panel["title"]
         assert all(t["num_finite_points"] > 0 for t in panel["targets"]), panel
     assert (out / "overview.png").stat().st_size > 50_000
+
+
+def test_idle_replicas_keep_reporting_their_gauges(prometheus, load):
+    """Ray drops a gauge that is not set again within seconds; the exporters re-publish theirs, so an
+    idle replica still reports an empty KV cache (not "no data") long after its last step."""
+    idle_since = load["end"]
+    time.sleep(max(0.0, idle_since + 20 - time.time()))
+    counts = prometheus.query_range("count(ray_llm_kv_cache_usage_ratio == 0)", idle_since + 2, time.time(), 1.0)
+    assert counts, "no KV usage series while idle"
+    values = [float(v) for _, v in counts[0]["values"]]
+    assert len(values) >= 15 and set(values) == {NUM_REPLICAS}, values
+    ages = prometheus.query("count(ray_llm_router_stats_age_seconds)")
+    assert ages and float(ages[0]["value"][1]) >= 1  # replicas the router has sent requests to
