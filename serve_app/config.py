@@ -9,7 +9,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from serve_app.serving.autoscaling import AutoscalingSettings
 
 BatchingPolicy = Literal["continuous", "dynamic", "static"]
 BATCHING_POLICIES = ("continuous", "dynamic", "static")
@@ -142,6 +145,9 @@ class ServeConfig:
     Routing (DESIGN.md §6): `router` picks the LLMServer request router (`kv_aware`, Serve's `pow2`,
     `round_robin`); `router_kwargs` tune the KV-aware one (weights, staleness bound; names in
     `serving.routing_policy.KVRouterSettings`); `request_router_class` plugs in any other router.
+    Autoscaling: `autoscaling` (Serve's names: `min_replicas`, `max_replicas`,
+    `target_ongoing_requests`, `upscale_delay_s`, ...; see `serving.autoscaling.AutoscalingSettings`)
+    makes Serve scale LLMServer on load instead of running a fixed `num_replicas` (leave that unset).
     """
 
     model: str
@@ -160,6 +166,7 @@ class ServeConfig:
     router_kwargs: tuple[tuple[str, Any], ...] = ()  # KVCacheAwareRouter options (routing_policy.KVRouterSettings)
     request_router_class: str = ""  # import path of another Serve RequestRouter; overrides `router`
     max_replicas_per_node: int = 0  # 0: no limit (1: one replica per node, e.g. one per GPU machine)
+    autoscaling: tuple[tuple[str, Any], ...] = ()  # empty: fixed num_replicas (serving.autoscaling.AutoscalingSettings)
     health_check_period_s: float = 2.0
     health_check_timeout_s: float = 30.0
     graceful_shutdown_timeout_s: float = 5.0
@@ -184,6 +191,9 @@ class ServeConfig:
         router_kwargs = self.router_kwargs.items() if isinstance(self.router_kwargs, dict) else self.router_kwargs
         object.__setattr__(self, "router_kwargs", tuple(sorted((str(k), v) for k, v in router_kwargs)))
         object.__setattr__(self, "stat_logger_factories", tuple(self.stat_logger_factories))
+        autoscaling = self.autoscaling or ()
+        autoscaling = autoscaling.items() if isinstance(autoscaling, dict) else autoscaling
+        object.__setattr__(self, "autoscaling", tuple(sorted((str(k), v) for k, v in autoscaling)))
         _require(bool(self.model), "model", "a model directory is required")
         _require(self.backend in BACKENDS, "backend", f"must be one of {BACKENDS}, got {self.backend!r}")
         self.engine_config()  # validates the engine options (names and values)
@@ -212,6 +222,12 @@ class ServeConfig:
             KVRouterSettings.from_kwargs(dict(self.router_kwargs))  # validates names and values
         _require(isinstance(self.max_replicas_per_node, int) and self.max_replicas_per_node >= 0,
                  "max_replicas_per_node", "must be an integer >= 0 (0: no limit)")
+        if self.autoscaling:
+            scaling = self.autoscaling_settings()  # validates names and values
+            _require(self.num_replicas == 1, "num_replicas", "leave it unset with `autoscaling` (min/max_replicas decide)")
+            _require(scaling.target_ongoing_requests <= self.max_ongoing_requests, "autoscaling",
+                     f"target_ongoing_requests ({scaling.target_ongoing_requests}) must not exceed "
+                     f"max_ongoing_requests ({self.max_ongoing_requests}), the per-replica cap")
 
     @classmethod
     def from_dict(cls, args: dict[str, Any]) -> ServeConfig:
@@ -237,3 +253,9 @@ class ServeConfig:
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig.from_kwargs(self.model, **self.engine_kwargs)
+
+    def autoscaling_settings(self) -> AutoscalingSettings | None:
+        """The LLMServer autoscaling settings, None for a fixed `num_replicas`."""
+        from serve_app.serving.autoscaling import AutoscalingSettings  # no Ray import
+
+        return AutoscalingSettings.from_kwargs(dict(self.autoscaling)) if self.autoscaling else None

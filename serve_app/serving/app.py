@@ -61,8 +61,11 @@ def build_app_from_config(config: ServeConfig) -> Application:
     actor_options: dict[str, Any] = {"num_cpus": config.num_cpus_per_replica}
     if config.num_gpus_per_replica:
         actor_options["num_gpus"] = config.num_gpus_per_replica
+    autoscaling = config.autoscaling_settings()
+    # autoscaling: Serve scales between min and max replicas on load; otherwise a fixed count
+    scaling = {"autoscaling_config": autoscaling.to_serve()} if autoscaling else {"num_replicas": config.num_replicas}
     server = LLMServer.options(
-        num_replicas=config.num_replicas,
+        **scaling,
         ray_actor_options=actor_options,
         max_ongoing_requests=config.max_ongoing_requests,
         max_queued_requests=config.max_queued_requests,
@@ -78,7 +81,9 @@ def build_app_from_config(config: ServeConfig) -> Application:
         max_ongoing_requests=config.ingress_max_ongoing_requests,
         max_queued_requests=config.ingress_max_queued_requests,
     ).bind(server, config, api_key)
-    logger.info("serving %s (%d LLMServer replica(s), router %s, API key %s)", config.model_name, config.num_replicas,
+    replicas = (f"{autoscaling.min_replicas}-{autoscaling.max_replicas} (autoscaling)" if autoscaling
+                else str(config.num_replicas))
+    logger.info("serving %s (%s LLMServer replica(s), router %s, API key %s)", config.model_name, replicas,
                 config.request_router_class or config.router, "required" if api_key else "not required")
     return ingress
 
