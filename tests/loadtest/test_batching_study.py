@@ -1,0 +1,156 @@
+"""The W2 batching study's trace generator and report logic on synthetic data (no model, no engine)."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "loadtest"))
+
+from batching_report import decode_step_cost, write_reports  # noqa: E402
+from batching_trace import (  # noqa: E402
+    DEFAULT_CLASSES,
+    RequestResult,
+    StepRecord,
+    compare,
+    describe_trace,
+    make_trace,
+    summarize_policy,
+    timeline_segments,
+)
+from bench_batching import engine_kwargs, parse_args, parse_policy  # noqa: E402
+
+
+def test_trace_is_seeded_poisson_with_mixed_lengths():
+    a, b = make_trace(48, 2.0, seed=0), make_trace(48, 2.0, seed=0)
+    assert a == b
+    assert make_trace(48, 2.0, seed=1) != a
+    assert a[0].arrival_s == 0.0 and all(x.arrival_s < y.arrival_s for x, y in zip(a, a[1:], strict=False))
+    ranges = {c.name: c for c in DEFAULT_CLASSES}
+    for r in a:
+        c = ranges[r.klass]
+        assert c.prompt_len[0] <= r.prompt_len <= c.prompt_len[1]
+        assert c.output_len[0] <= r.output_len <= c.output_len[1]
+        assert all(100 <= t < 49152 for t in r.prompt_token_ids)
+    big = make_trace(3000, 4.0, seed=2)
+    gaps = [y.arrival_s - x.arrival_s for x, y in zip(big, big[1:], strict=False)]
+    assert statistics.fmean(gaps) == pytest.approx(0.25, rel=0.06)
+    assert statistics.stdev(gaps) == pytest.approx(0.25, rel=0.08)
+    shares = describe_trace(big)["classes"]
+    assert shares["short"] / 3000 == pytest.approx(0.6, abs=0.03) and shares["long"] / 3000 == pytest.approx(0.1, abs=0.02)
+    d = describe_trace(a)
+    assert d["output_tokens"] == sum(r.output_len for r in a) and d["num_requests"] == 48
+    with pytest.raises(ValueError, match="rate"):
+        make_trace(4, 0.0)
+
+
+def _steps() -> list[StepRecord]:
+    """r0 prefills (1 s step), then r0 + r1 decode, r1's prompt read in the middle step."""
+    return [
+        StepRecord(0.0, 1.0, 1, 10, 0, 1, (("r0", 10, True),)),
+        StepRecord(1.0, 0.5, 2, 8, 1, 0, (("r0", 1, False), ("r1", 8, True))),
+        StepRecord(1.5, 0.5, 2, 0, 2, 0, (("r0", 1, False), ("r1", 1, False))),
+        StepRecord(2.0, 0.5, 1, 0, 1, 0, (("r1", 1, False),)),
+        StepRecord(5.0, 0.5, 1, 0, 1, 0, (("r1", 1, False),)),  # the next step, after the engine idled 2.5 s
+    ]
+
+
+def test_timeline_segments_merge_consecutive_steps_by_kind():
+    seg = timeline_segments(_steps())
+    assert seg["r0"] == [(0.0, 1.0, "prefill"), (1.0, 2.0, "decode")]
+    # consecutive steps merge even across an idle gap in the engine (the request stayed in the batch)
+    assert seg["r1"] == [(1.0, 1.5, "prefill"), (1.5, 5.5, "decode")]
+
+
+def test_summary_throughput_latency_and_batch_shape():
+    requests = [
+        RequestResult("r0", 0, 0.0, 0.0, 1.0, 2.0, 3),
+        RequestResult("r1", 1, 0.5, 1.0, 1.5, 5.5, 4, num_preemptions=1),
+    ]
+    s = summarize_policy(requests, _steps())
+    assert s["makespan_s"] == pytest.approx(5.5)
+    assert s["output_tokens"] == 7 and s["output_tok_s"] == pytest.approx(7 / 5.5)
+    assert s["request_throughput"] == pytest.approx(2 / 5.5)
+    assert s["ttft_p50_s"] == pytest.approx(1.0)  # ttfts 1.0 and 1.0
+    assert s["e2e_p50_s"] == pytest.approx((2.0 + 5.0) / 2)
+    assert s["e2e_p99_s"] == pytest.approx(2.0 + 0.99 * 3.0)
+    assert s["queue_p50_s"] == pytest.approx(0.25)
+    assert s["mean_batch_size"] == pytest.approx(7 / 5)
+    assert s["time_weighted_batch_size"] == pytest.approx((1 * 1 + 2 * 0.5 + 2 * 0.5 + 0.5 + 0.5) / 3.0)
+    assert s["busy_fraction"] == pytest.approx(3.0 / 5.5)
+    assert s["num_preemptions"] == 1 and s["max_batch_size"] == 2
+    unfinished = summarize_policy([RequestResult("x", 0, 0.0, None, None, None, 0)], [])
+    assert unfinished["num_finished"] == 0 and unfinished["output_tok_s"] == 0.0
+
+
+def test_compare_ratios():
+    r = {"static": {"output_tok_s": 10.0, "ttft_p50_s": 4.0}, "continuous": {"output_tok_s": 30.0, "ttft_p50_s": 1.0}}
+    c = compare(r)
+    assert c["continuous"] == {"output_tok_s_ratio": 3.0, "ttft_p50_ratio": 0.25}
+    assert c["static"]["output_tok_s_ratio"] == 1.0
+    assert compare({"continuous": r["continuous"]}) == {}
+
+
+def test_policy_specs_and_engine_options():
+    assert parse_policy("static") == ("static", "static", 0)
+    assert parse_policy("static:8") == ("static-b8", "static", 8)
+    for bad in ("continuous:8", "static:x", "static:0", "fifo"):
+        with pytest.raises(ValueError):
+            parse_policy(bad)
+    args = parse_args(["--max-num-seqs", "16", "--static-timeout-s", "1.5"])
+    assert args.policies == ["static", "dynamic", "continuous"]
+    assert engine_kwargs(args, "static") == {**engine_kwargs(args, "continuous"), "batching": "static",
+                                             "batch_size": 16, "batch_timeout_s": 1.5}
+    assert engine_kwargs(args, "static", 8)["batch_size"] == 8
+    assert engine_kwargs(args, "dynamic")["batch_timeout_s"] == 0.0
+    assert "batch_size" not in engine_kwargs(args, "continuous")
+    with pytest.raises(SystemExit):
+        parse_args(["--policies", "static,lifo"])
+
+
+def _policy(name: str, tok_s: float, ttft: float, batching: str) -> dict:
+    steps = [{"start_s": 0.1 * i, "duration_s": 0.1, "num_seqs": 1 + i % 3, "num_prefill_tokens": 5 if i == 0 else 0,
+              "num_decode_tokens": 1 + i % 3, "num_waiting": 0, "batch": [["r0", 1, i == 0]]} for i in range(10)]
+    requests = [{"request_id": "r0", "index": 0, "arrival_s": 0.0, "first_scheduled_s": 0.0, "first_token_s": 0.1,
+                 "finished_s": 1.0, "num_output_tokens": 9, "num_preemptions": 0}]
+    summary = {"output_tok_s": tok_s, "request_throughput": 1.0, "ttft_p50_s": ttft, "ttft_p99_s": ttft, "e2e_p50_s": 1.0,
+               "e2e_p99_s": 1.0, "queue_p50_s": 0.0, "mean_batch_size": 2.0, "time_weighted_batch_size": 2.0, "max_batch_size": 3,
+               "num_steps": 10, "mean_step_s": 0.1, "makespan_s": 1.0, "busy_fraction": 1.0, "process_cpu_cores": 1.0,
+               "load_avg_1m_at_start": 1.0, "load_avg_1m_at_end": 1.0, "num_preemptions": 0, "max_arrival_lag_s": 0.0,
+               "complete": True, "engine": {"batching": batching, "batch_size": 8, "batch_timeout_s": 2.0}}
+    return {"summary": summary, "requests": requests, "steps": steps}
+
+
+def test_reports_targets_and_files(tmp_path):
+    policies = {"static": _policy("static", 10.0, 4.0, "static"), "dynamic": _policy("dynamic", 15.0, 2.0, "dynamic"),
+                "continuous": _policy("continuous", 30.0, 1.0, "continuous"), "static-b8": _policy("static-b8", 8.0, 5.0, "static")}
+    results = {
+        "workload": {**describe_trace(make_trace(4, 1.0)), "rate_per_s": 1.0, "seed": 0, "quick": False},
+        "settings": {"dtype": "bfloat16", "max_num_seqs": 32, "max_num_batched_tokens": 2048, "static_timeout_s": 2.0, "batch_size": 0},
+        "machine": {"cpu": "x86_64", "logical_cores": 2, "torch": "2.13.0", "torch_threads": 1, "git": "abc"},
+        "command": ".venv/bin/python loadtest/bench_batching.py", "date": "2026-01-01T00:00:00+00:00", "duration_s": 60.0,
+        "policies": policies, "comparison": compare({k: v["summary"] for k, v in policies.items()}),
+    }
+    paths = write_reports(results, tmp_path / "out", raw_path=tmp_path / "raw.json")
+    names = {p.name for p in paths}
+    assert {"batching.json", "batching.md", "batching_timeline.png", "batching_batch_size.png",
+            "batching_timeline_continuous.png", "raw.json"} <= names
+    md = (tmp_path / "out" / "batching.md").read_text()
+    assert "continuous / static = **3.00x** (target ≥ 2.5x): met" in md
+    assert "continuous / static = **0.25x** (target ≤ 0.5x): met" in md
+    assert "| continuous | 30.0 | 1.00 | 1.00 |" in md and "3.00x | 0.25x |" in md
+    assert "static-b8 (batch 8): 8.0 tok/s, continuous 3.75x" in md
+    assert "![timeline](batching_timeline.png)" in md
+    committed = json.loads((tmp_path / "out" / "batching.json").read_text())
+    assert "batch" not in committed["policies"]["static"]["steps"][0]  # the compact copy
+    assert json.loads((tmp_path / "raw.json").read_text())["policies"]["static"]["steps"][0]["batch"]
+    assert [r["batch"] for r in decode_step_cost(results)] == ["1-4"]
+
+    policies["continuous"]["summary"]["output_tok_s"] = 20.0
+    results["comparison"] = compare({k: v["summary"] for k, v in policies.items()})
+    write_reports(results, tmp_path / "out2")
+    assert "(target ≥ 2.5x): **not met**" in (tmp_path / "out2" / "batching.md").read_text()
