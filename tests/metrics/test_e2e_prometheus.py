@@ -10,31 +10,25 @@ OpenAI API, then:
 - the PNG renderer draws the key panels from the same Prometheus.
 
 Ray gets its own temp dir (its service-discovery file is per temp dir), ports and a 1 s metrics
-report interval; Prometheus scrapes every second. Both are stopped at the end.
+report interval; Prometheus scrapes every 2 s (`serve_app.metrics.local_stack`). Both are stopped
+at the end.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
-import os
 import shutil
-import socket
 import subprocess
 import sys
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
-import psutil
 import pytest
-import yaml
 
 from serve_app.metrics import dashboard as dash
-from serve_app.metrics import names
+from serve_app.metrics import local_stack, names
 from serve_app.metrics.prom_api import PrometheusAPI
 from tests.conftest import REPO
 
@@ -44,12 +38,6 @@ NUM_REQUESTS, MAX_TOKENS, CONCURRENCY = 12, 12, 6
 RATE_INTERVAL = "30s"
 
 pytestmark = pytest.mark.timeout(480)
-
-
-def free_port() -> int:
-    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_for(predicate, timeout_s: float, interval_s: float = 0.5, message: str = "condition"):
@@ -63,36 +51,13 @@ def wait_for(predicate, timeout_s: float, interval_s: float = 0.5, message: str 
     raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {message} (last: {last!r})")
 
 
-def _our_processes(marker: str) -> list[psutil.Process]:
-    procs = []
-    for p in psutil.process_iter(["pid", "cmdline"]):
-        with contextlib.suppress(psutil.Error):
-            if p.pid != os.getpid() and any(marker in part for part in (p.info["cmdline"] or [])):
-                procs.append(p)
-    return procs
-
-
 @pytest.fixture(scope="module")
 def served(model_dir):
-    """Ray (own temp dir, dashboard on for the service-discovery file) + the Serve app."""
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # Ray's own traffic on loopback
-    import ray
+    """A private Ray instance (own temp dir and ports, dashboard on for the discovery file) + the app."""
     from ray import serve
 
     from serve_app.serving.app import build_app
 
-    if ray.is_initialized():  # pragma: no cover - a previous test module left one
-        ray.shutdown()
-    temp_dir = tempfile.mkdtemp(prefix="raym", dir="/tmp")  # short: Ray's socket paths live under it
-    http_port = free_port()
-    # the dashboard's and the autoscaler's own metrics ports are fixed (44227, 44217) unless set: another
-    # Ray instance on this machine would hold them, and Prometheus would scrape that one
-    env_before = {k: os.environ.get(k) for k in ("DASHBOARD_METRIC_PORT", "AUTOSCALER_METRIC_PORT")}
-    os.environ.update(DASHBOARD_METRIC_PORT=str(free_port()), AUTOSCALER_METRIC_PORT=str(free_port()))
-    started = time.monotonic()
-    ray.init(address="local", num_cpus=2, include_dashboard=True, dashboard_host="127.0.0.1",
-             dashboard_port=free_port(), _metrics_export_port=free_port(), _temp_dir=temp_dir,
-             _system_config={"metrics_report_interval_ms": 1000}, log_to_driver=False, namespace="metrics-e2e")
     args = {
         "model": model_dir, "num_replicas": NUM_REPLICAS, "num_cpus_per_replica": 0.5,
         "torch_num_threads": 1,  # a shared 2-core machine: one thread per replica
@@ -100,60 +65,24 @@ def served(model_dir):
         "api_key_env": "", "engine": {"dtype": "float32", "num_blocks": 128, "max_num_seqs": 16},
         "router": "kv_aware",  # KVCacheAwareRouter records the router metrics (RouterMetrics.for_ray)
     }
-    try:
+    started = time.monotonic()
+    with local_stack.ray_instance(metrics_report_interval_ms=1000, namespace="metrics-e2e") as instance:
+        http_port = local_stack.free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": http_port})
         serve.run(build_app(args), name="llm", route_prefix="/")
         print(f"\n[e2e] Ray + Serve app ready in {time.monotonic() - started:.1f} s")
-        yield {"base_url": f"http://127.0.0.1:{http_port}", "temp_dir": temp_dir,
-               "sd_file": str(Path(temp_dir) / "prom_metrics_service_discovery.json")}
-    finally:
-        with contextlib.suppress(Exception):
-            serve.shutdown()
-        ray.shutdown()
-        leftovers = [p for p in _our_processes(temp_dir) if p.is_running()]
-        for p in leftovers:  # only processes of this Ray instance (their command lines name its temp dir)
-            with contextlib.suppress(psutil.Error):
-                p.kill()
-        shutil.rmtree(temp_dir, ignore_errors=True)
-        for key, value in env_before.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+        yield {"base_url": f"http://127.0.0.1:{http_port}", "sd_file": instance.sd_file}
 
 
 @pytest.fixture(scope="module")
 def prometheus(served, tmp_path_factory):
-    """Prometheus with the shipped config, pointed at this Ray's discovery file, scraping every second."""
-    exe = shutil.which("prometheus")
-    if exe is None:
+    """Prometheus with the shipped config and rules, pointed at this Ray's discovery file, scraping
+    every 2 s (a loaded 2-core machine can take over a second to answer a scrape)."""
+    if shutil.which("prometheus") is None:
         pytest.fail("prometheus not found: run `make system-deps` (Debian's prometheus package)")
-    work = tmp_path_factory.mktemp("prometheus")
-    config = yaml.safe_load((REPO / "deploy/prometheus/prometheus.yml").read_text())
-    # 2 s: a loaded 2-core machine can take over a second to answer a scrape
-    config["global"].update(scrape_interval="2s", scrape_timeout="2s", evaluation_interval="1s")
-    config["rule_files"] = [str(REPO / "deploy/prometheus" / f) for f in config["rule_files"]]
-    (job,) = config["scrape_configs"]
-    job["file_sd_configs"][0].update(files=[served["sd_file"]], refresh_interval="1s")
-    (work / "prometheus.yml").write_text(yaml.safe_dump(config))
-    port = free_port()
-    log = open(work / "prometheus.log", "w")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen([exe, f"--config.file={work / 'prometheus.yml'}", f"--storage.tsdb.path={work / 'data'}",
-                             f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
-                            stdout=log, stderr=subprocess.STDOUT)
-    api = PrometheusAPI(f"http://127.0.0.1:{port}", timeout_s=20)
-    try:
-        wait_for(lambda: proc.poll() is not None or api.ready(), 60, message="Prometheus ready")
-        assert proc.poll() is None, (work / "prometheus.log").read_text()
+    config = local_stack.prometheus_config(served["sd_file"], scrape_interval="2s")
+    with local_stack.prometheus_server(config, tmp_path_factory.mktemp("prometheus")) as api:
         yield api
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
-        log.close()
 
 
 @pytest.fixture(scope="module")

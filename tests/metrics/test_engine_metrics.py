@@ -210,3 +210,4 @@ def test_ray_logger_outside_ray_is_harmless():
     stats = SchedulerStats(0, 0.0, 0.01, 2, 10, 1, 2, 0, 1, 0.5, 4, 8, 10, 8)
     logger.record(stats, [(FinishReason.STOP, RequestMetrics(0.0, 0.1, 0.2, 0.5, 10, 3))])
     assert logger.num_errors == 0
+    logger.close()  # stops the gauge re-publishing thread
