@@ -118,17 +118,12 @@ class NativeRunner(TorchRunner):
             kv_cache_memory_gib=opts["kv_cache_gib"],
         )
 
-    def _reset_prefix_cache(self) -> None:
-        # W1 repeats the same prompts: without a reset, every repeat after the first would be served
-        # from the prefix cache, which HF cannot do. Each run reports its cached tokens to prove it.
-        block_manager = self.llm.engine.core.block_manager
-        if hasattr(block_manager, "reset_prefix_cache"):
-            block_manager.reset_prefix_cache()
-
     def run(self, prompts: list[list[int]], output_len: int, progress: Progress) -> RunResult:
         from serve_app.engine import SamplingParams
 
-        self._reset_prefix_cache()
+        # W1 repeats the same prompts: without a reset, every repeat after the first would be served
+        # from the prefix cache, which HF cannot do. Each run reports its cached tokens to prove it.
+        self.llm.reset_prefix_cache()
         params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
         done = steps = 0
         batch_sizes: list[int] = []

@@ -62,6 +62,10 @@ class LLM:
         params = self._params(sampling_params, len(conversations))
         return self._run([GenerateRequest(self._next_id(), messages=tuple(c), sampling_params=sp) for c, sp in zip(conversations, params, strict=True)])
 
+    def reset_prefix_cache(self) -> None:
+        """Forget cached prefix blocks (those no running request holds), e.g. between benchmark runs."""
+        self.engine.core.block_manager.reset_prefix_cache()
+
     def _next_id(self) -> str:
         return str(next(self._ids))
 
