@@ -53,6 +53,7 @@ from llm_workloads import APIS, ENDPOINTS, PROFILES, PoissonArrivals, Workload, 
 from locust import constant, events, task
 from locust.contrib.fasthttp import FastHttpUser
 from locust.runners import WorkerRunner
+from locust.stats import CSV_STATS_INTERVAL_SEC
 
 logger = logging.getLogger("llm-locust")
 METRIC_TYPE = "LLM"
@@ -126,6 +127,10 @@ def _on_test_start(environment, **_kwargs) -> None:
 
 @events.test_stop.add_listener
 def _on_test_stop(environment, **_kwargs) -> None:
+    if getattr(environment.parsed_options, "csv_prefix", None):
+        # Locust's CSV writer rewrites the files every CSV_STATS_INTERVAL_SEC until the process exits:
+        # give it one more round so that requests finished during --stop-timeout are in the CSV too
+        time.sleep(CSV_STATS_INTERVAL_SEC + 0.5)
     path = environment.parsed_options.records
     if not path or (not STATE.records and not isinstance(environment.runner, WorkerRunner)):
         return
