@@ -29,7 +29,7 @@ test-all: install model
 	$(PY) -m pytest -q -m "not gpu"
 
 lint: install
-	$(VENV)/bin/ruff check serve_app tests loadtest
+	$(VENV)/bin/ruff check serve_app tests loadtest dashboards
 
 bench-engine: install model
 	$(PY) loadtest/bench_engine.py
