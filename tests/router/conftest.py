@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.router.ray_helpers import PROBE_DIR_ENV, REPO, TwoNodeCluster
+from tests.router.ray_helpers import PROBE_DIR_ENV, REPO, TwoNodeCluster, refresh_ray_settings
 
 
 @contextlib.contextmanager
@@ -75,5 +75,6 @@ def two_node_ray(model_dir, probe_dir):
                 yield cluster
             finally:
                 _stop_ray()
+        refresh_ray_settings()  # back to this process's own environment
     finally:
-        cluster.stop()
+        print(f"\n[two-node cluster] {cluster.temp_dir}: ended {cluster.stop()} processes")

@@ -171,6 +171,19 @@ def cancel_all(generators: list[Any]) -> None:
             ray.cancel(gen)
 
 
+def refresh_ray_settings() -> None:
+    """Make this process's Ray follow the current environment again: Ray reads its settings when it is
+    imported, maybe before a test set them. Loopback mode (else ray.init turns 127.0.0.1 into the
+    machine's public address), then the auth mode and token (refreshed the way Ray's own token setup
+    does it)."""
+    import ray._private.ray_constants as ray_constants
+    from ray._raylet import AuthenticationTokenLoader, Config
+
+    ray_constants.ENABLE_RAY_CLUSTER = os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "1") != "0"
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
+
+
 # ---- processes of one Ray instance ------------------------------------------------------------------
 def processes_of(marker: str) -> list[psutil.Process]:
     """Processes whose command line names `marker` (this cluster's private temp dir)."""
@@ -182,7 +195,8 @@ def processes_of(marker: str) -> list[psutil.Process]:
     return procs
 
 
-def end_processes(marker: str, grace_s: float = 10.0) -> None:
+def end_processes(marker: str, grace_s: float = 10.0) -> int:
+    """SIGTERM, then after `grace_s` SIGKILL, every process of that Ray instance; returns how many."""
     procs = processes_of(marker)
     for p in procs:
         with contextlib.suppress(psutil.Error):
@@ -192,6 +206,7 @@ def end_processes(marker: str, grace_s: float = 10.0) -> None:
         with contextlib.suppress(psutil.Error):
             p.kill()
     psutil.wait_procs(alive, timeout=5)
+    return len(procs)
 
 
 class TwoNodeCluster:
@@ -199,30 +214,45 @@ class TwoNodeCluster:
 
     NODE_RESOURCES = ("router_test_head", "router_test_worker")
 
-    def __init__(self, env: dict[str, str] | None = None) -> None:
-        self.temp_dir = tempfile.mkdtemp(prefix="rayr", dir="/tmp")  # short: Ray's socket paths live under it
+    def __init__(self, env: dict[str, str] | None = None, dashboard_port: int = 0) -> None:
+        self.temp_dir = tempfile.mkdtemp(prefix="rayroute", dir="/tmp")  # short: Ray's socket paths live under it
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
+        # > 0: the head runs Ray's dashboard on 127.0.0.1:<dashboard_port> (Serve's REST API, `serve deploy`)
+        self.dashboard_port = dashboard_port
         # a private auth token for this cluster (Ray enables token auth by default)
         self.env = {**os.environ, **(env or {}), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
                     "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16)}
+        self._common = ["--node-ip-address=127.0.0.1", "--num-cpus=1", f"--temp-dir={self.temp_dir}", "--disable-usage-stats"]
+
+    @property
+    def dashboard_address(self) -> str:
+        return f"http://127.0.0.1:{self.dashboard_port}"
 
     def start(self) -> None:
-        common = ["--node-ip-address=127.0.0.1", "--num-cpus=1", f"--temp-dir={self.temp_dir}", "--disable-usage-stats"]
-        head = [str(RAY), "start", "--head", f"--port={self.port}", "--include-dashboard=false",
-                f"--resources={json.dumps({self.NODE_RESOURCES[0]: 1})}", *common]
-        worker = [sys.executable, "-c", _WORKER_LAUNCHER, "start", f"--address={self.address}",
-                  f"--resources={json.dumps({self.NODE_RESOURCES[1]: 1})}", *common]
-        for cmd in (head, worker):
-            done = subprocess.run(cmd, env=self.env, cwd=REPO, capture_output=True, text=True, timeout=180)
-            if done.returncode != 0:
-                raise RuntimeError(f"{' '.join(cmd[:3])} failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
+        dashboard = (["--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={self.dashboard_port}"]
+                     if self.dashboard_port
+                     else ["--include-dashboard=false"])
+        self._run([str(RAY), "start", "--head", f"--port={self.port}", *dashboard,
+                   f"--resources={json.dumps({self.NODE_RESOURCES[0]: 1})}", *self._common])
+        self.start_worker()
+
+    def start_worker(self) -> None:
+        """Start the worker node (again, after it was killed: it joins as a new node)."""
+        self._run([sys.executable, "-c", _WORKER_LAUNCHER, "start", f"--address={self.address}",
+                   f"--resources={json.dumps({self.NODE_RESOURCES[1]: 1})}", *self._common])
+
+    def _run(self, cmd: list[str]) -> None:
+        done = subprocess.run(cmd, env=self.env, cwd=REPO, capture_output=True, text=True, timeout=180)
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd[:3])} failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
 
     def connect(self) -> Any:
         """ray.init in this process against the cluster (the caller sets this cluster's auth
         environment, `self.env`, in this process first)."""
         import ray
 
+        refresh_ray_settings()
         ray.init(address=self.address, log_to_driver=False, namespace="router-multinode")
         wait_for(lambda: sum(n["Alive"] for n in ray.nodes()) == 2, 60, message="2 live nodes")
         return ray
@@ -238,9 +268,11 @@ class TwoNodeCluster:
                     out[name] = node["NodeID"]
         return out
 
-    def stop(self) -> None:
-        end_processes(self.temp_dir)
+    def stop(self) -> int:
+        """End this cluster's processes; returns how many there were."""
+        num = end_processes(self.temp_dir)
         shutil.rmtree(self.temp_dir, ignore_errors=True)
+        return num
 
 
 __all__ = ["PROBE_DIR_ENV", "TwoNodeCluster", "cancel_all", "end_processes", "llm_replicas", "published_stats",
