@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from serve_app.config import EngineConfig
 from serve_app.engine.llm_engine import LLMEngine, StatLogger
 from serve_app.engine.request import Request
+from serve_app.metrics.stats import EngineLoad
 from serve_app.types import GenerateRequest, RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -41,17 +42,6 @@ class _Stream:
 
     def put(self, item: RequestOutput | BaseException) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-
-
-@dataclass(frozen=True)
-class EngineLoad:
-    """A snapshot of the engine's load, for request routing."""
-
-    kv_cache_usage: float
-    num_free_blocks: int
-    num_total_blocks: int
-    num_running: int
-    num_waiting: int
 
 
 class AsyncLLMEngine:
@@ -105,9 +95,7 @@ class AsyncLLMEngine:
 
     def load(self) -> EngineLoad:
         """Thread-safe enough for routing: plain counters read without locking."""
-        bm = self.engine.core.block_manager
-        sched = self.engine.core.scheduler
-        return EngineLoad(bm.usage, bm.num_free_blocks, bm.num_blocks, sched.num_running, sched.num_waiting)
+        return self.engine.load()
 
     def check_health(self) -> None:
         if self._error is not None:

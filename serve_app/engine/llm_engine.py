@@ -15,12 +15,17 @@ from serve_app.engine.input_processor import InputProcessor
 from serve_app.engine.output_processor import OutputProcessor
 from serve_app.engine.outputs import EngineCoreOutput
 from serve_app.engine.request import Request
-from serve_app.metrics.stats import SchedulerStats
+from serve_app.metrics.stats import EngineLoad, SchedulerStats
 from serve_app.types import FinishReason, GenerateRequest, RequestMetrics, RequestOutput
 
 
 class StatLogger(Protocol):
-    """Receives every step's stats and every finished request's metrics (plain data)."""
+    """Receives every step's stats and every finished request's metrics (plain data).
+
+    A logger may also define `record_load(load: EngineLoad)`: it is then called with the engine's
+    load after requests finish outside a step (aborts, stop strings), so gauges don't go stale
+    on an engine that goes idle.
+    """
 
     def record(self, scheduler_stats: SchedulerStats | None, finished: list[tuple[FinishReason, RequestMetrics]]) -> None: ...
 
@@ -71,7 +76,16 @@ class LLMEngine:
 
     def _finish(self, outputs: list[EngineCoreOutput]) -> list[RequestOutput]:
         self._log(None, outputs)
+        if outputs:
+            load = self.load()
+            for stat_logger in self.stat_loggers:
+                if hasattr(stat_logger, "record_load"):
+                    stat_logger.record_load(load)
         return self.output_processor.process(outputs)[0]
+
+    def load(self) -> EngineLoad:
+        bm, sched = self.core.block_manager, self.core.scheduler
+        return EngineLoad(bm.usage, bm.num_free_blocks, bm.num_blocks, sched.num_running, sched.num_waiting)
 
     def _log(self, stats: SchedulerStats | None, outputs: Iterable[EngineCoreOutput]) -> None:
         if not self.stat_loggers:

@@ -29,7 +29,7 @@ from typing import Any
 
 from serve_app.metrics import names
 from serve_app.metrics.instruments import Instrument, PrometheusInstruments, RayInstruments
-from serve_app.metrics.stats import SchedulerStats
+from serve_app.metrics.stats import EngineLoad, SchedulerStats
 from serve_app.types import FinishReason, RequestMetrics
 
 logger = logging.getLogger(__name__)
@@ -79,6 +79,15 @@ class MetricsStatLogger:
                 self._record_step(scheduler_stats)
             for reason, metrics in finished:
                 self._record_finished(reason, metrics)
+        except Exception:  # noqa: BLE001 - a metrics failure must never stop the engine
+            self._on_error()
+
+    def record_load(self, load: EngineLoad) -> None:
+        """Gauges after requests finished outside a step (see the engine's `StatLogger`)."""
+        try:
+            self._kv_usage.set(load.kv_cache_usage)
+            self._running.set(load.num_running)
+            self._waiting.set(load.num_waiting)
         except Exception:  # noqa: BLE001 - a metrics failure must never stop the engine
             self._on_error()
 

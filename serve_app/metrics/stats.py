@@ -35,3 +35,14 @@ class SchedulerStats:
     @property
     def num_tokens(self) -> int:
         return self.num_prefill_tokens + self.num_decode_tokens
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """A snapshot of the engine's load (for routing, and for gauges between steps)."""
+
+    kv_cache_usage: float
+    num_free_blocks: int
+    num_total_blocks: int
+    num_running: int
+    num_waiting: int

@@ -146,6 +146,9 @@ def test_preemption_prefix_cache_and_abort(model_dir, recorder):
     assert sample(reg, "llm_time_to_first_token_seconds_count", model=MODEL) == ttft_before + 1
     assert sample(reg, "llm_e2e_request_latency_seconds_count", model=MODEL) == e2e_before
     assert sample(reg, "llm_request_success_total", model=MODEL, finish_reason="length") == 5
+    # the engine is idle now and takes no further step: the gauges must say so already
+    assert sample(reg, "llm_num_requests_running", model=MODEL) == 0
+    assert sample(reg, "llm_kv_cache_usage_ratio", model=MODEL) == 0
     assert metrics.num_errors == 0
 
 
