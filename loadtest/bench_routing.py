@@ -1,0 +1,389 @@
+"""W3 routing benchmark (DESIGN.md §7, issue 4): KV-aware vs power-of-two vs round-robin routing.
+
+One Ray instance on 127.0.0.1, one run. For each router the app is deployed with 2 LLMServer replicas
+(small KV caches, one torch thread each) and the *same* two traces are replayed open-loop from this
+process through a DeploymentHandle (which runs the configured router, as the ingress's handle does):
+
+- skewed: Poisson arrivals near capacity, ~12% long requests (384-token prompt, 128 output tokens)
+  among short ones (48 → 16);
+- uniform: the same arrival times, every request of the mix's mean size.
+
+"Near capacity": unless `--rate` is given, a closed-loop calibration on the first deployment measures
+how many skewed-mix requests/s the two replicas complete; the traces arrive at `--load` (0.85) times
+that. Measured per run: TTFT (from each request's scheduled arrival, so queueing counts) p50/p99,
+e2e p99, output tok/s over the run, preemptions and requests per replica (from the replica probe,
+`loadtest/replica_probe.py`). Routers run in sequence on a shared 2-core machine: read the ratios,
+not the absolute numbers, and expect noise from whatever else runs.
+
+    .venv/bin/python loadtest/bench_routing.py                 # writes reports/routing.{json,md,png}
+    .venv/bin/python loadtest/bench_routing.py --quick         # smoke run into build/bench-routing-quick/
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime as dt
+import json
+import os
+import platform
+import shlex
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # Ray on the loopback address only
+
+from loadtest.replica_probe import FACTORY, PROBE_DIR_ENV, read_probes  # noqa: E402
+from loadtest.routing_trace import Mix, RequestResult, TraceRequest, compare, make_trace, summarize_run  # noqa: E402
+
+APP = "bench-routing"
+ROUTERS = ("pow2", "kv_aware", "round_robin")  # the first deployed calibrates the rate: the baseline
+TRACES = ("skewed", "uniform")
+
+
+def app_args(router: str, opts: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "model": str(REPO / "models" / "smollm2-135m-instruct"), "num_replicas": 2, "num_cpus_per_replica": 0.5,
+        "torch_num_threads": 1, "max_ongoing_requests": 32, "max_queued_requests": -1,
+        "request_routing_stats_period_s": 0.2, "health_check_period_s": 2.0, "router": router, "api_key_env": "",
+        "stat_logger_factories": [FACTORY],
+        "engine": {"dtype": "bfloat16", "num_blocks": opts.num_blocks, "max_num_seqs": 16},
+    }
+
+
+# ---- replicas ------------------------------------------------------------------------------------------
+def llm_replicas() -> dict[str, Any]:
+    import ray
+
+    prefix = f"SERVE_REPLICA::{APP}#LLMServer#"
+    out = {}
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        if entry["name"].startswith(prefix):
+            with contextlib.suppress(ValueError):
+                out[entry["name"].removeprefix(prefix)] = ray.get_actor(entry["name"], namespace="serve")
+    return out
+
+
+def wait_idle(timeout_s: float = 120.0) -> None:
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        replicas = llm_replicas()
+        stats = [ray.get(a.record_routing_stats.remote(), timeout=10) for a in replicas.values()]
+        if stats and all(s["num_running"] == 0 and s["num_waiting"] == 0 for s in stats):
+            return
+        time.sleep(0.5)
+    raise RuntimeError("replicas did not become idle")
+
+
+def probe_snapshot(probe_dir: Path, replica_ids: set[str]) -> dict[str, dict[str, Any]]:
+    return {rid: s for rid, s in read_probes(probe_dir).items() if rid in replica_ids}
+
+
+def replica_deltas(before: dict, after: dict, tag: str) -> tuple[int, dict[str, dict[str, int]]]:
+    """Preemptions during the run, and per replica: requests of this run (by kind) it served."""
+    preemptions = 0
+    per_replica: dict[str, dict[str, int]] = {}
+    for rid, state in after.items():
+        preemptions += state["num_preemptions"] - before.get(rid, {}).get("num_preemptions", 0)
+        mine = [r for r in state["request_ids"] if r.startswith(tag + "-")]
+        counts = {"requests": len(mine), "preemptions": state["num_preemptions"] - before.get(rid, {}).get("num_preemptions", 0)}
+        for kind in ("long", "short", "uniform"):
+            counts[kind] = sum(1 for r in mine if r.endswith("-" + kind))
+        per_replica[rid] = counts
+    return preemptions, per_replica
+
+
+# ---- load -----------------------------------------------------------------------------------------------
+async def send(handle: Any, request_id: str, prompt: list[int], max_tokens: int, start: float) -> tuple[float | None, float, int]:
+    """One streamed generation; (TTFT, e2e, output tokens), timed from `start` (loop clock)."""
+    from serve_app.types import GenerateRequest, SamplingParams
+
+    loop = asyncio.get_running_loop()
+    request = GenerateRequest(request_id, prompt=prompt,
+                              sampling_params=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    ttft, tokens = None, 0
+    async for chunk in handle.options(stream=True).generate.remote(request):
+        if chunk.token_ids and ttft is None:
+            ttft = loop.time() - start
+        tokens += len(chunk.token_ids)
+    return ttft, loop.time() - start, tokens
+
+
+async def replay(handle: Any, trace: list[TraceRequest], tag: str, drain_s: float) -> tuple[list[RequestResult], float]:
+    loop = asyncio.get_running_loop()
+    t0 = loop.time() + 0.5
+
+    async def one(req: TraceRequest) -> RequestResult:
+        start = t0 + req.arrival_s
+        await asyncio.sleep(max(0.0, start - loop.time()))
+        try:
+            ttft, e2e, tokens = await send(handle, f"{tag}-{req.index}-{req.kind}", list(req.prompt), req.max_tokens, start)
+            error = None if tokens == req.max_tokens else f"{tokens} tokens, expected {req.max_tokens}"
+            return RequestResult(req.index, req.kind, req.arrival_s, ttft, e2e, tokens, error)
+        except Exception as exc:  # noqa: BLE001 - recorded, the run goes on
+            return RequestResult(req.index, req.kind, req.arrival_s, None, None, 0, type(exc).__name__)
+
+    tasks = [asyncio.ensure_future(one(r)) for r in trace]
+    done, pending = await asyncio.wait(tasks, timeout=(trace[-1].arrival_s if trace else 0) + drain_s)
+    for task in pending:
+        task.cancel()
+    results = []
+    for req, task in zip(trace, tasks, strict=True):
+        if task in done:
+            results.append(task.result())
+        else:
+            results.append(RequestResult(req.index, req.kind, req.arrival_s, None, None, 0, "timeout"))
+    finished = [t0 + r.arrival_s + r.e2e_s for r in results if r.e2e_s is not None]
+    wall = (max(finished) - t0 - trace[0].arrival_s) if finished else 0.0
+    return results, wall
+
+
+async def calibrate(handle: Any, mix: Mix, seconds: float, concurrency: int, seed: int) -> float:
+    """Closed loop: `concurrency` clients send skewed-mix requests back to back for `seconds`, then
+    let them finish; requests/s completed from a quarter into the window (ramp-up skipped) to the end."""
+    trace = make_trace("skewed", mix, rate=1000.0, duration_s=10.0, seed=seed + 99)
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    completions: list[float] = []
+    counter = iter(range(10**9))
+
+    async def client() -> None:
+        while loop.time() - start < seconds:
+            req = trace[next(counter) % len(trace)]
+            await send(handle, f"calib-{req.index}-{next(counter)}", list(req.prompt), req.max_tokens, loop.time())
+            completions.append(loop.time() - start)
+
+    await asyncio.gather(*(client() for _ in range(concurrency)))
+    end = loop.time() - start
+    window = [t for t in completions if t >= seconds / 4]
+    if not window:
+        raise RuntimeError(f"calibration: no request completed within {end:.0f} s")
+    return len(window) / (end - seconds / 4)
+
+
+# ---- one router ----------------------------------------------------------------------------------------
+def run_router(router: str, opts: argparse.Namespace, mix: Mix, probe_dir: Path, rate: float | None,
+               loop: asyncio.AbstractEventLoop) -> tuple[dict[str, Any], float]:
+    from ray import serve
+
+    from serve_app.serving.app import build_app
+
+    started = time.monotonic()
+    serve.run(build_app(app_args(router, opts)), name=APP, route_prefix="/")
+    handle = serve.get_deployment_handle("LLMServer", app_name=APP)
+    replica_ids = set(llm_replicas())
+    out: dict[str, Any] = {"router": router, "deploy_s": time.monotonic() - started, "replicas": sorted(replica_ids), "runs": {}}
+    print(f"[bench-routing] {router}: deployed in {out['deploy_s']:.1f} s", flush=True)
+    try:
+        warm = make_trace("uniform", mix, rate=10.0, duration_s=0.4, seed=7)
+        loop.run_until_complete(replay(handle, warm, f"{router}-warmup", 60.0))
+        if rate is None:
+            capacity = loop.run_until_complete(calibrate(handle, mix, opts.calibrate_s, opts.calibrate_concurrency, opts.seed))
+            rate = opts.load * capacity
+            out["calibration"] = {"router": router, "capacity_req_s": capacity, "load": opts.load, "rate_req_s": rate,
+                                  "seconds": opts.calibrate_s, "concurrency": opts.calibrate_concurrency}
+            print(f"[bench-routing] calibration: {capacity:.2f} req/s completed → trace rate {rate:.2f} req/s", flush=True)
+        for name in TRACES:
+            wait_idle()
+            trace = make_trace(name, mix, rate, opts.duration, opts.seed)
+            tag = f"{router}-{name}"
+            before = probe_snapshot(probe_dir, replica_ids)
+            results, wall = loop.run_until_complete(replay(handle, trace, tag, opts.drain_s))
+            time.sleep(1.0)  # the probes' last writes
+            preemptions, per_replica = replica_deltas(before, probe_snapshot(probe_dir, replica_ids), tag)
+            summary = summarize_run(results, wall, preemptions, per_replica)
+            summary["rate_req_s"] = rate
+            summary["ttft_cdf"] = sorted(r.ttft_s for r in results if r.ttft_s is not None)
+            out["runs"][name] = summary
+            print(f"[bench-routing] {router} {name}: {len(trace)} requests, TTFT p50 {summary['ttft_p50_s']:.3f} s "
+                  f"p99 {summary['ttft_p99_s']:.3f} s, e2e p99 {summary['e2e_p99_s']:.2f} s, "
+                  f"{summary['output_tok_s']:.0f} out tok/s, {preemptions} preemptions, errors {summary['num_errors']}, "
+                  f"per replica {per_replica}", flush=True)
+    finally:
+        serve.delete(APP)
+    return out, rate
+
+
+# ---- report -------------------------------------------------------------------------------------------
+def _f(x: float | None, digits: int = 2, scale: float = 1.0) -> str:
+    return "–" if x is None else f"{x * scale:.{digits}f}"
+
+
+def write_report(results: dict[str, Any], out_dir: Path) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "routing.json").write_text(json.dumps(results, indent=2))
+    m, w = results["mix"], results["workload"]
+    lines = [
+        "# W3 routing: KV-aware vs power-of-two vs round-robin", "",
+        f"Generated {results['date']} by:", "", f"    {results['command']}", "",
+        f"Machine: {results['machine']}; load average at start {results['loadavg_start']}, at end {results['loadavg_end']} "
+        "(a shared 2-core machine: routers ran one after another, so machine-load drift is part of the differences).",
+        f"Deployment per router: 2 LLMServer replicas, bf16, {w['num_blocks']} KV blocks × 16 tokens each, max_num_seqs 16, "
+        "1 torch thread each, routing stats every 0.2 s; load sent from the benchmark process through a "
+        "DeploymentHandle (it runs the deployment's router, as the ingress's handle does), streamed, greedy, ignore_eos.",
+        f"Traces (seed {w['seed']}, Poisson, {w['duration_s']:.0f} s of arrivals at {w['rate_req_s']:.2f} req/s = "
+        f"{w['load']:.2f} × the calibrated capacity {_f(w.get('capacity_req_s'))} req/s): **skewed** = "
+        f"{m['long_fraction']:.0%} long ({m['long_prompt']}-token prompt → {m['long_output']} tokens) among short "
+        f"({m['short_prompt']} → {m['short_output']}); **uniform** = every request {m['mean_prompt']} → {m['mean_output']} "
+        "tokens (same token volume). TTFT is measured from each request's scheduled arrival.", "",
+    ]
+    for name in TRACES:
+        lines += [f"## {name} trace", "",
+                  "| router | requests | TTFT p50 (s) | TTFT p99 (s) | e2e p99 (s) | output tok/s | preemptions | "
+                  "requests per replica (long) | errors |", "|---|---|---|---|---|---|---|---|---|"]
+        for router, r in results["routers"].items():
+            run = r["runs"].get(name)
+            if run is None:
+                continue
+            split = " / ".join(f"{c['requests']} ({c['long']})" for c in run["per_replica"].values())
+            lines.append(f"| {router} | {run['num_requests']} | {_f(run['ttft_p50_s'], 3)} | {_f(run['ttft_p99_s'], 3)} | "
+                         f"{_f(run['e2e_p99_s'])} | {_f(run['output_tok_s'], 0)} | {run['preemptions']} | {split} | "
+                         f"{run['num_errors']} |")
+        if name == "skewed":
+            lines += ["", "By request kind (TTFT p50 / p99, s):", "", "| router | short | long |", "|---|---|---|"]
+            for router, r in results["routers"].items():
+                k = r["runs"].get(name, {}).get("by_kind", {})
+                cells = [f"{_f(k.get(kind, {}).get('ttft_p50_s'), 3)} / {_f(k.get(kind, {}).get('ttft_p99_s'), 3)}"
+                         for kind in ("short", "long")]
+                lines.append(f"| {router} | {cells[0]} | {cells[1]} |")
+        lines.append("")
+    c = results["comparison"]
+    sk, un = c.get("skewed", {}), c.get("uniform", {})
+    lines += ["## KV-aware ÷ power-of-two (targets from issue 4)", "",
+              "| trace | TTFT p99 | TTFT p50 | e2e p99 | output tok/s | target | met |", "|---|---|---|---|---|---|---|",
+              f"| skewed | {_f(sk.get('ttft_p99_ratio'))} | {_f(sk.get('ttft_p50_ratio'))} | {_f(sk.get('e2e_p99_ratio'))} | "
+              f"{_f(sk.get('output_tok_s_ratio'))} | TTFT p99 ≤ 0.70, tok/s ≥ 1.00 (no loss; ±3% noise allowed) | "
+              f"{_verdict(sk, 0.70, 0.97)} |",
+              f"| uniform | {_f(un.get('ttft_p99_ratio'))} | {_f(un.get('ttft_p50_ratio'))} | {_f(un.get('e2e_p99_ratio'))} | "
+              f"{_f(un.get('output_tok_s_ratio'))} | TTFT p99 ≤ 1.10 | {_verdict(un, 1.10, None)} |", "",
+              "One run, as measured; no re-runs were picked. Raw numbers (every request's TTFT, per-replica counts): "
+              "`routing.json`. Plot: `routing.png`.", ""]
+    (out_dir / "routing.md").write_text("\n".join(lines))
+    plot(results, out_dir / "routing.png")
+
+
+def _verdict(ratios: dict[str, Any], ttft_max: float, tok_min: float | None) -> str:
+    ttft = ratios.get("ttft_p99_ratio")
+    if ttft is None:
+        return "n/a"
+    ok = ttft <= ttft_max
+    if tok_min is not None:
+        tok = ratios.get("output_tok_s_ratio")
+        ok = ok and tok is not None and tok >= tok_min
+    return "yes" if ok else "no"
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    routers = list(results["routers"])
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
+    width = 0.8 / max(len(routers), 1)
+    for i, router in enumerate(routers):
+        runs = results["routers"][router]["runs"]
+        xs = [t + i * width for t in range(len(TRACES))]
+        axes[0].bar(xs, [runs.get(t, {}).get("ttft_p99_s") or 0 for t in TRACES], width, label=f"{router} p99")
+        axes[0].scatter(xs, [runs.get(t, {}).get("ttft_p50_s") or 0 for t in TRACES], color="black", marker="_", s=200,
+                        zorder=3, label="p50" if i == 0 else None)
+        axes[1].bar(xs, [runs.get(t, {}).get("output_tok_s") or 0 for t in TRACES], width, label=router)
+        cdf = runs.get("skewed", {}).get("ttft_cdf", [])
+        if cdf:
+            axes[2].plot(cdf, [(k + 1) / len(cdf) for k in range(len(cdf))], drawstyle="steps-post", label=router)
+    for ax, title, ylabel in ((axes[0], "TTFT p99 (bars) and p50 (ticks)", "seconds"),
+                              (axes[1], "output tokens/s", "tok/s")):
+        ax.set_xticks([t + width * (len(routers) - 1) / 2 for t in range(len(TRACES))], TRACES)
+        ax.set_title(title)
+        ax.set_ylabel(ylabel)
+        ax.legend(fontsize=8)
+    axes[2].set_xscale("log")
+    axes[2].set_title("TTFT CDF, skewed trace")
+    axes[2].set_xlabel("seconds (log)")
+    axes[2].legend(fontsize=8)
+    fig.suptitle("W3 routing: 2 replicas, same traces; " + results["date"])
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ---- main -----------------------------------------------------------------------------------------------
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--routers", nargs="+", default=list(ROUTERS), choices=ROUTERS)
+    parser.add_argument("--duration", type=float, default=40.0, help="seconds of arrivals per trace")
+    parser.add_argument("--rate", type=float, default=None, help="arrivals/s (default: --load × calibrated capacity)")
+    parser.add_argument("--load", type=float, default=0.85)
+    parser.add_argument("--calibrate-s", type=float, default=16.0)
+    parser.add_argument("--calibrate-concurrency", type=int, default=24)
+    parser.add_argument("--num-blocks", type=int, default=128, help="KV blocks per replica")
+    parser.add_argument("--drain-s", type=float, default=90.0, help="after the last arrival, wait this long at most")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out-dir", default=None)
+    parser.add_argument("--quick", action="store_true", help="8 s traces, 10 s calibration (smoke run)")
+    opts = parser.parse_args()
+    if opts.quick:
+        opts.duration, opts.calibrate_s, opts.drain_s = 8.0, 10.0, 60.0
+    out_dir = Path(opts.out_dir or (REPO / ("build/bench-routing-quick" if opts.quick else "reports")))
+    mix = Mix()
+    os.chdir(REPO)  # replicas import loadtest.replica_probe from the driver's working directory
+    probe_dir = Path(tempfile.mkdtemp(prefix="routing-probes-"))
+    os.environ[PROBE_DIR_ENV] = str(probe_dir)  # before Ray starts: replicas inherit it
+
+    import ray
+    from ray import serve
+
+    started = time.monotonic()
+    results: dict[str, Any] = {
+        "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "command": ".venv/bin/python loadtest/bench_routing.py " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
+        "loadavg_start": " ".join(f"{x:.2f}" for x in os.getloadavg()),
+        "mix": {**Mix().__dict__, "mean_prompt": mix.mean_prompt, "mean_output": mix.mean_output},
+        "workload": {"duration_s": opts.duration, "seed": opts.seed, "load": opts.load, "num_blocks": opts.num_blocks},
+        "routers": {},
+    }
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="bench-routing")
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    rate = opts.rate
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": _free_port()}, proxy_location="HeadOnly")
+        for router in opts.routers:
+            out, rate = run_router(router, opts, mix, probe_dir, rate, loop)
+            if "calibration" in out:
+                results["workload"]["capacity_req_s"] = out["calibration"]["capacity_req_s"]
+            results["routers"][router] = out
+        results["workload"]["rate_req_s"] = rate
+    finally:
+        with contextlib.suppress(Exception):
+            serve.shutdown()
+        ray.shutdown()
+    results["loadavg_end"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    results["duration_s"] = time.monotonic() - started
+    results["comparison"] = {name: compare({r: v["runs"].get(name, {}) for r, v in results["routers"].items()})
+                             for name in TRACES}
+    write_report(results, out_dir)
+    print(f"[bench-routing] {results['duration_s']:.0f} s; wrote {out_dir / 'routing.md'}")
+    print((out_dir / "routing.md").read_text())
+
+
+def _free_port() -> int:
+    import socket
+
+    with contextlib.closing(socket.socket()) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+if __name__ == "__main__":
+    main()
