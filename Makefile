@@ -34,6 +34,13 @@ lint: install
 bench-engine: install model
 	$(PY) loadtest/bench_engine.py
 
+# W3 (issue 4): KV-aware vs power-of-two vs round-robin routing on the same traces → reports/routing.{json,md,png}
+# (≈ 10 min on 2 busy cores; BENCH_ROUTING_ARGS=--quick: ≈ 4 min, into build/bench-routing-quick/)
+BENCH_ROUTING_ARGS ?=
+.PHONY: bench-routing
+bench-routing: install model
+	$(PY) loadtest/bench_routing.py $(BENCH_ROUTING_ARGS)
+
 chat: install model
 	$(PY) -m serve_app.engine.chat --model $(MODEL_DIR)
 
