@@ -53,6 +53,19 @@ def test_cluster_config_passes_ray_up_validation(cluster_config):
     assert prepared["provider"]["type"] == cluster_config["provider"]["type"]
 
 
+def test_readme_gcp_variant_passes_ray_up_validation(cluster_config):
+    """README "Deploy to a cluster" shows the GCP blocks that replace the AWS ones."""
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    section = (REPO / "README.md").read_text().split("## Deploy to a cluster", 1)[1].split("\n## ", 1)[0]
+    (block,) = [b for b in re.findall(r"```yaml\n(.*?)```", section, re.S) if "type: gcp" in b]
+    gcp = yaml.safe_load(block)
+    assert set(gcp) == {"provider", "auth", "available_node_types"}, "only the provider-specific blocks differ"
+    assert {n: {k: v for k, v in t.items() if k != "node_config"} for n, t in gcp["available_node_types"].items()} == \
+        {n: {k: v for k, v in t.items() if k != "node_config"} for n, t in cluster_config["available_node_types"].items()}
+    validate_config(prepare_config({**copy.deepcopy(cluster_config), **gcp}))
+
+
 def test_start_commands_are_valid_ray_start_options(cluster_config):
     from ray.scripts.scripts import start
 
