@@ -86,35 +86,68 @@ def decode_step_cost(results: dict[str, Any]) -> list[dict]:
     return rows
 
 
+def _busy_ms_per_token(s: dict) -> float:
+    """Engine time (sum of step durations, prefill included) per output token."""
+    return 1000 * s["mean_step_s"] * s["num_steps"] / s["output_tokens"] if s["output_tokens"] else 0.0
+
+
+def _longest(policy: dict) -> dict | None:
+    done = [r for r in policy["requests"] if r["finished_s"] is not None]
+    return max(done, key=lambda r: (r["num_output_tokens"], -r["arrival_s"]), default=None)
+
+
 def explanation(results: dict[str, Any]) -> list[str]:
-    """What the numbers say about why, from this run's own diagnostics."""
+    """What this run's own measurements say about why (worded from the numbers, whichever way they fall)."""
     pol = {k: v["summary"] for k, v in results["policies"].items()}
     w = results["workload"]
     lines = []
     if "continuous" in pol and "static" in pol:
         c, s = pol["continuous"], pol["static"]
         cost = decode_step_cost(results)
-        cost_text = ", ".join(f"{r['median_ms']:.0f} ms with {r['batch']}" for r in cost)
-        lines.append(
-            f"Every policy computed the same {w['prompt_tokens']} prompt and {w['output_tokens']} output tokens with the same "
-            f"kernels. Continuous batching kept a time-weighted {c['time_weighted_batch_size']:.1f} sequences per step "
-            f"(static: {s['time_weighted_batch_size']:.1f}) and needed {c['num_steps']} steps against static's {s['num_steps']}. "
-            f"A decode step's cost grows slowly with its batch (median pure-decode step: {cost_text} sequences): on this CPU "
-            f"most of a step is per-layer overhead, so fewer, fuller steps are almost proportionally more tokens per second.")
+        ms_s, ms_c = _busy_ms_per_token(s), _busy_ms_per_token(c)
+        text = (f"All policies computed the same {w['prompt_tokens']} prompt and {w['output_tokens']} output tokens with the "
+                f"same kernels; throughput differs only through how full the steps were and how long the engine was busy "
+                f"(≥ {min(p['busy_fraction'] for p in pol.values()):.0%} of each makespan here). Continuous batching ran a "
+                f"time-weighted {c['time_weighted_batch_size']:.1f} sequences per step against static's "
+                f"{s['time_weighted_batch_size']:.1f}, in {c['num_steps']} steps against {s['num_steps']}, i.e. "
+                f"{ms_c:.0f} ms of engine time per output token against {ms_s:.0f} ms ({ms_s / ms_c:.2f}x).")
+        if len(cost) >= 2:
+            lo, hi = cost[0], cost[-1]
+            text += (f" That is what batching can buy on this machine: a pure-decode step cost {lo['median_ms_per_token']:.0f} ms "
+                     f"per sequence with {lo['batch']} sequences and {hi['median_ms_per_token']:.0f} ms with {hi['batch']} "
+                     f"({lo['median_ms_per_token'] / hi['median_ms_per_token']:.1f}x less)")
+            mid = [r for r in cost[1:-1]]
+            if mid:
+                text += (", and already " + ", ".join(f"{r['median_ms_per_token']:.0f} ms with {r['batch']}" for r in mid)
+                         + ": beyond a few sequences a step's cost grows nearly in proportion to its batch (compute-bound), so "
+                         "fuller steps gain little; the gain comes from not running near-empty steps")
+            text += "."
+        lines.append(text)
+        longest = _longest(results["policies"]["continuous"])
+        if longest is not None and c["makespan_s"] > 0:
+            span = longest["finished_s"] - longest["arrival_s"]
+            lines.append(
+                f"A finite trace also bounds continuous batching by its longest request: request {longest['index']} "
+                f"({longest['num_output_tokens']} output tokens) needs that many sequential decode steps, which under "
+                f"continuous batching (shared with the others) took {span:.0f} s of the {c['makespan_s']:.0f} s makespan. "
+                f"The more total work a trace has per longest request (more requests, or shorter long outputs), the more "
+                f"of continuous batching's capacity shows in its throughput.")
         lines.append(
             f"Static and dynamic batching run a batch until its longest member finishes: with output lengths from "
             f"{w['output_len']['min']} to {w['output_len']['max']} tokens most slots sit empty for most of a batch's life, and "
             f"requests that arrive meanwhile wait for the whole batch (static TTFT p50 {_f(s['ttft_p50_s'])} s, of which "
-            f"queueing p50 {_f(s['queue_p50_s'])} s; continuous {_f(c['ttft_p50_s'])} s). Continuous batching admits arrivals "
-            f"at the next step (their prompt chunks share steps with running decodes) and refills a slot as soon as a "
-            f"request finishes.")
+            f"queueing p50 {_f(s['queue_p50_s'])} s). Continuous batching admits arrivals at the next step (their prompt "
+            f"chunks share steps with running decodes) and refills a slot as soon as a request finishes (TTFT p50 "
+            f"{_f(c['ttft_p50_s'])} s, queueing p50 {_f(c['queue_p50_s'])} s): the TTFT gap does not depend on how cheap "
+            f"a full step is, the throughput gap does.")
     if "dynamic" in pol and "static" in pol:
         d, s = pol["dynamic"], pol["static"]
         lines.append(
             f"Dynamic batching starts a batch as soon as the engine is idle instead of waiting up to "
-            f"{results['settings'].get('static_timeout_s', 0):g} s for a full one, which cuts the first batch's wait, but "
-            f"it still closes admission while a batch runs (TTFT p50 {_f(d['ttft_p50_s'])} s vs static {_f(s['ttft_p50_s'])} s, "
-            f"mean batch {d['mean_batch_size']:.1f} vs {s['mean_batch_size']:.1f}).")
+            f"{results['settings'].get('static_timeout_s', 0):g} s for a full one, but it still closes admission while a "
+            f"batch runs (TTFT p50 {_f(d['ttft_p50_s'])} s vs static {_f(s['ttft_p50_s'])} s, mean batch "
+            f"{d['mean_batch_size']:.1f} vs {s['mean_batch_size']:.1f}, throughput {d['output_tok_s']:.1f} vs "
+            f"{s['output_tok_s']:.1f} tok/s).")
     variants = [k for k in pol if k.startswith("static-b")]
     if variants and "continuous" in pol:
         c = pol["continuous"]
@@ -126,7 +159,7 @@ def explanation(results: dict[str, Any]) -> list[str]:
                      + "; ".join(parts) + ".")
     lines.append(
         "Throughput is over the makespan (first arrival → last finish) of an open-loop trace: a policy that keeps up "
-        "with arrivals is bounded by the offered load, so the ratio grows with the arrival rate until continuous "
+        "with arrivals is bounded by the offered load, so the ratio also grows with the arrival rate until continuous "
         "batching saturates too.")
     return lines
 
@@ -182,6 +215,11 @@ def render_markdown(results: dict[str, Any], png_names: dict[str, str]) -> str:
         lines += ["", "Pure-decode step cost by batch size (all policies' steps):", "",
                   "| sequences in the step | steps | median step (ms) | per sequence (ms) |", "|---|---:|---:|---:|"]
         lines += [f"| {r['batch']} | {r['num_steps']} | {r['median_ms']:.0f} | {r['median_ms_per_token']:.1f} |" for r in cost]
+    cores = [p["summary"]["process_cpu_cores"] for p in results["policies"].values()]
+    loads = [p["summary"]["load_avg_1m_at_start"] for p in results["policies"].values()]
+    lines += ["", f"This run's process got {min(cores):.2f}–{max(cores):.2f} of a core (CPU time / wall time; the "
+              f"machine's 1-minute load average was {min(loads):.1f}–{max(loads):.1f} on {m['logical_cores']} cores): "
+              "step costs, and how they grow with the batch, depend on that share."]
     lines += ["", "Policies run one after another, so a change in the machine's load between them shows in the "
               "load-average and process-CPU columns; compare ratios from one run, not absolute numbers across runs.", ""]
     if png_names:

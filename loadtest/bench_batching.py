@@ -11,6 +11,7 @@ data (who was in each step) goes to build/bench-batching/raw.json.
 
     .venv/bin/python loadtest/bench_batching.py            # make bench-batching (≈ 5-10 min on 2 busy cores)
     .venv/bin/python loadtest/bench_batching.py --quick    # 16 requests, build/bench-batching-quick/ (≈ 1-2 min)
+    .venv/bin/python loadtest/bench_batching.py --from-raw build/bench-batching/raw.json   # reports only
 
 Policies share `max_num_seqs` (the batch cap) and the token budget; static waits for a full batch of
 `--batch-size` (default: the cap) or `--static-timeout-s`; dynamic takes whatever waits, up to the cap.
@@ -26,6 +27,7 @@ import argparse
 import asyncio
 import datetime as dt
 import gc
+import json
 import os
 import platform
 import shlex
@@ -212,6 +214,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--policy-timeout-s", type=float, default=300.0, help="abort a policy's run this long after its last arrival")
     p.add_argument("--out-dir", help="default reports/ (build/bench-batching-quick/ with --quick)")
     p.add_argument("--quick", action="store_true", help="smoke run: 16 requests at 4 req/s, a quarter of the tokens")
+    p.add_argument("--from-raw", help="only rewrite the reports from a previous run's raw JSON (build/bench-batching/raw.json)")
     args = p.parse_args(argv)
     args.policies = [x.strip() for x in args.policies.split(",") if x.strip()]
     for spec in args.policies:
@@ -227,6 +230,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.from_raw:
+        results = json.loads(Path(args.from_raw).read_text())
+        paths = write_reports(results, args.out_dir)
+        log("rewrote " + ", ".join(str(p) for p in paths) + f" from {args.from_raw} (measured {results['date']})")
+        return 0
     import torch
 
     if args.threads:

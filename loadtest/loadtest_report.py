@@ -237,6 +237,8 @@ def plot_time_series(series: dict[str, list[float]], path: Path) -> None:
     twin.set_ylabel("completed requests/s", color="tab:orange")
     top.set_title("Throughput over time")
     top.grid(alpha=0.3)
+    top.set_ylim(bottom=0)
+    twin.set_ylim(bottom=0)
 
     def clean(values):
         return [math.nan if v is None else v for v in values]
@@ -247,6 +249,7 @@ def plot_time_series(series: dict[str, list[float]], path: Path) -> None:
     bottom.set_ylabel("seconds (requests sent in the bin)")
     bottom.set_xlabel("time since the first request (s)")
     bottom.set_title("Latency over time")
+    bottom.set_ylim(bottom=0)
     bottom.grid(alpha=0.3)
     bottom.legend(fontsize=8)
     fig.tight_layout()

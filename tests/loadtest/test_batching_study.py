@@ -117,7 +117,7 @@ def _policy(name: str, tok_s: float, ttft: float, batching: str) -> dict:
               "num_decode_tokens": 1 + i % 3, "num_waiting": 0, "batch": [["r0", 1, i == 0]]} for i in range(10)]
     requests = [{"request_id": "r0", "index": 0, "arrival_s": 0.0, "first_scheduled_s": 0.0, "first_token_s": 0.1,
                  "finished_s": 1.0, "num_output_tokens": 9, "num_preemptions": 0}]
-    summary = {"output_tok_s": tok_s, "request_throughput": 1.0, "ttft_p50_s": ttft, "ttft_p99_s": ttft, "e2e_p50_s": 1.0,
+    summary = {"output_tok_s": tok_s, "output_tokens": 9, "request_throughput": 1.0, "ttft_p50_s": ttft, "ttft_p99_s": ttft, "e2e_p50_s": 1.0,
                "e2e_p99_s": 1.0, "queue_p50_s": 0.0, "mean_batch_size": 2.0, "time_weighted_batch_size": 2.0, "max_batch_size": 3,
                "num_steps": 10, "mean_step_s": 0.1, "makespan_s": 1.0, "busy_fraction": 1.0, "process_cpu_cores": 1.0,
                "load_avg_1m_at_start": 1.0, "load_avg_1m_at_end": 1.0, "num_preemptions": 0, "max_arrival_lag_s": 0.0,
