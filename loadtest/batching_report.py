@@ -25,13 +25,11 @@ def _steps(policy: dict) -> list[StepRecord]:
 
 
 def compact(results: dict[str, Any]) -> dict[str, Any]:
-    """The committed JSON: everything but the per-step batch membership (that is what the timeline PNG
-    shows; the full data goes to build/)."""
+    """The committed JSON: summaries, the pure-decode step cost table and per-request timings; the
+    per-step data (batch sizes, who was in each step: what the PNGs show) goes to the raw JSON in build/."""
     out = {k: v for k, v in results.items() if k != "policies"}
-    out["policies"] = {}
-    for name, p in results["policies"].items():
-        steps = [{k: v for k, v in s.items() if k != "batch"} for s in p["steps"]]
-        out["policies"][name] = {"summary": p["summary"], "requests": p["requests"], "steps": steps}
+    out["decode_step_cost"] = decode_step_cost(results)
+    out["policies"] = {name: {"summary": p["summary"], "requests": p["requests"]} for name, p in results["policies"].items()}
     return out
 
 

@@ -146,7 +146,7 @@ def test_reports_targets_and_files(tmp_path):
     assert "static-b8 (batch 8): 8.0 tok/s, continuous 3.75x" in md
     assert "![timeline](batching_timeline.png)" in md
     committed = json.loads((tmp_path / "out" / "batching.json").read_text())
-    assert "batch" not in committed["policies"]["static"]["steps"][0]  # the compact copy
+    assert "steps" not in committed["policies"]["static"] and committed["decode_step_cost"][0]["batch"] == "1-4"
     assert json.loads((tmp_path / "raw.json").read_text())["policies"]["static"]["steps"][0]["batch"]
     assert [r["batch"] for r in decode_step_cost(results)] == ["1-4"]
 
