@@ -38,6 +38,7 @@ from serve_app.serving.routing_policy import (
     estimate_request_blocks,
     find_request,
     rank_replicas,
+    waiting_demand,
 )
 
 logger = logging.getLogger(SERVE_LOGGER_NAME)
@@ -99,9 +100,12 @@ class KVCacheAwareRouter(RequestRouter):
         if sample is None:
             return ReplicaView(replica_id, None, None, in_flight)
         taken = self._sample_time(replica_id, stats, sample, now)
-        blocks, requests = self.ledger.since(replica_id, taken - self.settings.sample_lag_s)
-        occupancy = estimate_occupancy(sample, blocks, self._mean_request_blocks, self.settings)
-        return ReplicaView(replica_id, sample, max(0.0, now - taken), in_flight, blocks, requests, occupancy)
+        cut = taken - self.settings.sample_lag_s
+        blocks, requests = self.ledger.since(replica_id, cut)
+        own_blocks, own_requests = self.ledger.newest_before(replica_id, cut, sample.num_waiting)
+        waiting = waiting_demand(sample, own_blocks, own_requests, self._mean_request_blocks)
+        occupancy = estimate_occupancy(sample, blocks, waiting, self.settings)
+        return ReplicaView(replica_id, sample, max(0.0, now - taken), in_flight, blocks, requests, waiting, occupancy)
 
     def _stats_age(self, replica_id: ReplicaID, now: float) -> float | None:
         replica = self._replicas.get(replica_id)

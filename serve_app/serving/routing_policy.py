@@ -6,14 +6,20 @@
 Estimated occupancy of a replica (fraction of its KV blocks, may exceed 1 when demand exceeds room):
 
     (used blocks in its last published sample
-     + waiting_weight × num_waiting × mean blocks per routed request   # queued demand, not yet in the cache
+     + waiting_weight × blocks of the sample's waiting requests        # queued demand, not yet in the cache
      + blocks of the requests this router sent there since that sample) / num_total_blocks
 
 A request's blocks = ceil((prompt_weight × prompt tokens + output_weight × min(max_tokens,
 max_expected_output_tokens)) / block_size). "Since that sample" means routed after
-`sampled_at − sample_lag_s` (`sampled_at` is the replica's wall clock when it took the sample;
-the lag covers transit and admission into the engine). Requests the router sent earlier are already
-in the sample, so they are not counted twice; requests that finished are dropped from the ledger.
+`sampled_at − sample_lag_s` (`sampled_at` is the replica's wall clock when it took the sample; the
+lag covers transit and the time until the engine takes the request in, up to one engine step: on a
+busy CPU that is most of a second, and a request missed by both the sample and the ledger is what
+lets a burst herd). Requests the router sent earlier are in the sample: in its used blocks once
+admitted, or among its `num_waiting` requests. The engine queues first-come first-served, so the
+waiting ones are taken to be the newest of this router's requests there (counted with their own
+estimated size, as a long prompt waiting for room is exactly what must not attract more); waiting
+requests beyond those (other routers', preempted ones) count as the mean routed request. Finished
+requests leave the ledger.
 
 Ranking: if every candidate has a sample younger than `max_stats_age_s`, the replicas are ordered by
 estimated occupancy; those within `tie_tolerance` of the best form the first group and are ordered by
@@ -61,7 +67,7 @@ class KVRouterSettings:
     tie_tolerance: float = 0.02  # occupancies within this of the best are ties
     max_stats_age_s: float = 0.0  # older samples are stale; 0: max(1 s, 5 × stats_period_s)
     stats_period_s: float = 0.5  # the deployment's request_routing_stats_period_s
-    sample_lag_s: float = 0.1  # a request routed this long before a sample may still be missing from it
+    sample_lag_s: float = 1.0  # a request routed this long before a sample may still be missing from it
     reservation_ttl_s: float = 60.0  # drop a choice Serve never confirmed (routed / completed) after this
     metrics: str = "ray"  # "ray" (ray.serve.metrics), "prometheus" (own registry, for tests) or "none"
     seed: int | None = None  # random tie-break among equal replicas
@@ -245,6 +251,14 @@ class InFlightLedger:
     def num_in_flight(self, replica_id: str) -> int:
         return len(self.by_replica.get(replica_id, ()))
 
+    def newest_before(self, replica_id: str, t: float, n: int) -> tuple[int, int]:
+        """(blocks, requests) of the newest `n` requests routed to the replica at or before time `t`."""
+        if n <= 0:
+            return 0, 0
+        older = sorted((e for e in self.by_replica.get(replica_id, {}).values() if e.routed_at <= t),
+                       key=lambda e: e.routed_at, reverse=True)[:n]
+        return sum(e.blocks for e in older), len(older)
+
     def since(self, replica_id: str, t: float | None) -> tuple[int, int]:
         """(blocks, requests) routed to the replica after time `t` (None: all in flight)."""
         blocks = count = 0
@@ -271,14 +285,20 @@ class ReplicaView:
     num_in_flight: int  # this router's requests on it (routed, not completed)
     pending_blocks: int = 0  # blocks routed since its sample
     pending_requests: int = 0  # requests routed since its sample
+    waiting_blocks: float = 0.0  # estimated blocks of the sample's waiting requests
     occupancy: float = math.inf  # estimated, see module docstring (inf without a fresh sample)
 
 
-def estimate_occupancy(sample: ReplicaSample, pending_blocks: int, mean_request_blocks: float,
+def waiting_demand(sample: ReplicaSample, own_blocks: int, own_requests: int, mean_request_blocks: float) -> float:
+    """Blocks the sample's waiting requests will need: this router's own (newest) ones by their size,
+    any others as the mean routed request."""
+    return own_blocks + max(sample.num_waiting - own_requests, 0) * mean_request_blocks
+
+
+def estimate_occupancy(sample: ReplicaSample, pending_blocks: int, waiting_blocks: float,
                        settings: KVRouterSettings) -> float:
     total = max(sample.num_total_blocks, 1)
-    waiting = settings.waiting_weight * sample.num_waiting * mean_request_blocks
-    return (sample.num_used_blocks + waiting + pending_blocks) / total
+    return (sample.num_used_blocks + settings.waiting_weight * waiting_blocks + pending_blocks) / total
 
 
 def rank_replicas(views: Sequence[ReplicaView], settings: KVRouterSettings,

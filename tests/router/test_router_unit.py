@@ -115,6 +115,40 @@ def test_waiting_queue_counts_as_demand_when_weighted():
     run(main())
 
 
+def test_own_requests_the_sample_reports_waiting_count_with_their_size():
+    """W3's first run: a long prompt routed to `b` sat in b's waiting queue (no room) when the next
+    sample came; counted as an average request, b looked emptier than `a` and drew the next long one
+    too. The waiting ones are this router's newest requests there: they count with their own size."""
+
+    async def main():
+        clock = Clock()
+        a, b = FakeReplica("a"), FakeReplica("b")
+        a.publish(used=40, total=96, at=clock.now)  # ten short requests running
+        b.publish(used=32, total=96, at=clock.now)  # one long request running
+        router = make_router(KVCacheAwareRouter, clock, [a, b], seed=0, block_size=BLOCK_SIZE, sample_lag_s=0.5)
+        for i in range(6):  # the router has sized a few short requests (4 blocks each)
+            done = await route(router, [a, b], pending(gen_request(f"s{i}", 48, 16)))
+            router.on_request_completed(done.replica_id, f"s{i}")
+        clock.now += 1.0
+        a.publish(used=40, total=96, at=clock.now)
+        b.publish(used=32, total=96, at=clock.now)
+        long1 = await route(router, [a, b], pending(gen_request("long1", 384, 128)))  # 32 blocks
+        assert long1.name == "b"
+        # a new sample, 2 s later: long1 has not been admitted (b's cache is short of room), it waits
+        clock.now += 2.0
+        a.publish(used=40, total=96, at=clock.now)
+        b.publish(used=32, total=96, waiting=1, at=clock.now)
+        view = router._view(b, clock.now)
+        assert view.pending_blocks == 0 and view.waiting_blocks == 32
+        assert view.occupancy == pytest.approx(64 / 96)
+        assert (await route(router, [a, b], pending(gen_request("long2", 384, 128)))).name == "a"
+        # a waiting request the router did not send (another ingress's) counts as the mean size
+        b.publish(used=32, total=96, waiting=2, at=clock.now)
+        assert router._view(b, clock.now).waiting_blocks == pytest.approx(32 + router._mean_request_blocks)
+
+    run(main())
+
+
 # ---- staleness ---------------------------------------------------------------------------------------
 def test_missing_or_stale_stats_fall_back_to_least_in_flight():
     async def main():
