@@ -209,7 +209,7 @@ def plot_ttft_cdf(records: list[dict], path: Path) -> None:
     for label, rows in groups.items():
         values = sorted(r["ttft_s"] for r in rows)
         if values:
-            ax.step(values, [(i + 1) / len(values) for i in range(len(values))], where="post",
+            ax.step([values[0], *values], [0.0] + [(i + 1) / len(values) for i in range(len(values))], where="post",
                     label=f"{label} (n={len(values)})", linewidth=2.2 if label == "all requests" else 1.2)
     ax.set_xlabel("time to first token (s)")
     ax.set_ylabel("fraction of requests")
@@ -292,10 +292,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target", default="")
     p.add_argument("--settings", default="")
     p.add_argument("--date", default="")
+    p.add_argument("--note", default="", help="free text for the summary (e.g. the machine's load)")
     args = p.parse_args(argv)
     records = load_records(args.records)
     locust = read_locust_csv(args.csv_prefix) if args.csv_prefix else {"stats": [], "failures": []}
-    meta = {k: getattr(args, k) for k in ("title", "command", "target", "settings", "date")}
+    meta = {k: getattr(args, k) for k in ("title", "command", "target", "settings", "date", "note")}
     summary = write_report(records, locust, Path(args.out_md), Path(args.png_prefix) if args.png_prefix else None, meta)
     print(f"[loadtest] {summary['num_requests']} requests, {summary['num_failed']} failed; "
           f"{summary['request_throughput']:.2f} req/s, {summary['output_tok_s']:.1f} output tok/s; "

@@ -42,7 +42,8 @@ fi
 
 mkdir -p "$OUT"
 rm -f "$OUT"/locust_*.csv "$OUT"/records.jsonl*
-settings="users=$USERS spawn_rate=$SPAWN_RATE run_time=$RUN_TIME workload=$WORKLOAD api=$API ${EXTRA}"
+settings="users=$USERS spawn_rate=$SPAWN_RATE run_time=$RUN_TIME workload=$WORKLOAD api=$API${EXTRA:+ $EXTRA}"
+note="machine load average (1 min) at the start: $(cut -d' ' -f1 /proc/loadavg) on $(nproc) cores"
 command="make loadtest LOADTEST_USERS=$USERS LOADTEST_TIME=$RUN_TIME LOADTEST_WORKLOAD=$WORKLOAD LOADTEST_API=$API${EXTRA:+ LOADTEST_ARGS='$EXTRA'}"
 echo "[loadtest] $HOST: $settings (+ up to ${STOP_TIMEOUT}s for requests in flight at the end)"
 started=$(date +%s)
@@ -56,6 +57,6 @@ echo "[loadtest] Locust finished in $(( $(date +%s) - started )) s (exit status 
 
 "$VENV/bin/python" loadtest/loadtest_report.py --records "$OUT/records.jsonl" --csv-prefix "$OUT/locust" \
   --out-md reports/loadtest.md --png-prefix reports/loadtest --title "$WORKLOAD workload against $HOST" \
-  --command "$command" --target "$HOST" --settings "$settings" --date "$(date -u +%Y-%m-%dT%H:%M:%SZ)"
+  --command "$command" --target "$HOST" --settings "$settings" --note "$note" --date "$(date -u +%Y-%m-%dT%H:%M:%SZ)"
 echo "[loadtest] Locust's report: $OUT/locust.html; CSV: $OUT/locust_*.csv"
 exit "$status"
