@@ -16,7 +16,7 @@ data (who was in each step) goes to build/bench-batching/raw.json.
 Policies share `max_num_seqs` (the batch cap) and the token budget; static waits for a full batch of
 `--batch-size` (default: the cap) or `--static-timeout-s`; dynamic takes whatever waits, up to the cap.
 One torch thread by default: on a 2-core machine that others load too, two OpenMP threads collapse
-(measured: a bf16 decode step 10-20x slower than with one thread); every policy gets the same.
+(measured: a bf16 decode step 7-26x slower than with one thread); every policy gets the same.
 A policy that has not finished `--policy-timeout-s` after its first arrival is aborted and reported
 as incomplete (the run stays bounded).
 """
