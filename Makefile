@@ -29,17 +29,10 @@ test-all: install model
 	$(PY) -m pytest -q -m "not gpu"
 
 lint: install
-	$(VENV)/bin/ruff check serve_app tests loadtest dashboards
+	$(VENV)/bin/ruff check serve_app tests loadtest
 
 bench-engine: install model
 	$(PY) loadtest/bench_engine.py
-
-# W3 (issue 4): KV-aware vs power-of-two vs round-robin routing on the same traces → reports/routing.{json,md,png}
-# (≈ 10 min on 2 busy cores; BENCH_ROUTING_ARGS=--quick: ≈ 4 min, into build/bench-routing-quick/)
-BENCH_ROUTING_ARGS ?=
-.PHONY: bench-routing
-bench-routing: install model
-	$(PY) loadtest/bench_routing.py $(BENCH_ROUTING_ARGS)
 
 chat: install model
 	$(PY) -m serve_app.engine.chat --model $(MODEL_DIR)
@@ -60,7 +53,7 @@ serve: install model
 # ---- observability (issue 5) ----------------------------------------------------------------------
 # Prometheus + promtool from Debian's `prometheus` package, installed once (as root, or with sudo).
 # Debian's package may try to start its own service; in containers without systemd it does not.
-.PHONY: system-deps monitor dashboards dashboard-png dashboard-demo
+.PHONY: system-deps monitor dashboards dashboard-png
 system-deps:
 	@command -v promtool >/dev/null 2>&1 && command -v prometheus >/dev/null 2>&1 || { \
 	  echo "[system-deps] installing prometheus (apt)"; \
@@ -86,6 +79,26 @@ PROMETHEUS_URL ?= http://127.0.0.1:$(PROMETHEUS_PORT)
 dashboard-png: install
 	$(PY) dashboards/render_panels.py --prometheus-url $(PROMETHEUS_URL) --out reports/dashboard --minutes 30
 
-# Self-contained: private Ray + app + Prometheus, ~2 min of mixed load, every panel → reports/dashboard/
-dashboard-demo: install model system-deps
-	$(PY) dashboards/demo.py --out reports/dashboard
+# ---- load testing and the batching study (issue 6) ------------------------------------------------
+# make loadtest: a bounded headless Locust run (default 8 users, 60 s, skewed workload) against a running
+# server: start `make serve` in another terminal first and wait for 'OpenAI-compatible API ready'.
+# Writes reports/loadtest.{md,json}, reports/loadtest_*.png and Locust's CSV/HTML under reports/loadtest/.
+# Locust runs as its own process (it monkey-patches with gevent; never import it next to Ray).
+LOADTEST_HOST ?= http://127.0.0.1:8000
+LOADTEST_USERS ?= 8
+LOADTEST_SPAWN_RATE ?= 2
+LOADTEST_TIME ?= 60s
+LOADTEST_WORKLOAD ?= skewed
+LOADTEST_API ?= mixed
+LOADTEST_ARGS ?=
+.PHONY: loadtest bench-batching
+loadtest: install
+	VENV=$(VENV) LOADTEST_HOST=$(LOADTEST_HOST) LOADTEST_USERS=$(LOADTEST_USERS) LOADTEST_SPAWN_RATE=$(LOADTEST_SPAWN_RATE) \
+	  LOADTEST_TIME=$(LOADTEST_TIME) LOADTEST_WORKLOAD=$(LOADTEST_WORKLOAD) LOADTEST_API=$(LOADTEST_API) \
+	  LOADTEST_ARGS="$(LOADTEST_ARGS)" loadtest/run_loadtest.sh
+
+# W2 (DESIGN §7): one seeded Poisson trace replayed in-process under static, dynamic and continuous
+# batching → reports/batching.{json,md} + PNGs (≈ 5-10 min on 2 busy cores; BENCH_BATCHING_ARGS=--quick: ≈ 1 min).
+BENCH_BATCHING_ARGS ?=
+bench-batching: install model
+	$(PY) loadtest/bench_batching.py $(BENCH_BATCHING_ARGS)
