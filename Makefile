@@ -29,10 +29,17 @@ test-all: install model
 	$(PY) -m pytest -q -m "not gpu"
 
 lint: install
-	$(VENV)/bin/ruff check serve_app tests loadtest
+	$(VENV)/bin/ruff check serve_app tests loadtest dashboards
 
 bench-engine: install model
 	$(PY) loadtest/bench_engine.py
+
+# W3 (issue 4): KV-aware vs power-of-two vs round-robin routing on the same traces → reports/routing.{json,md,png}
+# (≈ 10 min on 2 busy cores; BENCH_ROUTING_ARGS=--quick: ≈ 4 min, into build/bench-routing-quick/)
+BENCH_ROUTING_ARGS ?=
+.PHONY: bench-routing
+bench-routing: install model
+	$(PY) loadtest/bench_routing.py $(BENCH_ROUTING_ARGS)
 
 chat: install model
 	$(PY) -m serve_app.engine.chat --model $(MODEL_DIR)
@@ -53,7 +60,7 @@ serve: install model
 # ---- observability (issue 5) ----------------------------------------------------------------------
 # Prometheus + promtool from Debian's `prometheus` package, installed once (as root, or with sudo).
 # Debian's package may try to start its own service; in containers without systemd it does not.
-.PHONY: system-deps monitor dashboards dashboard-png
+.PHONY: system-deps monitor dashboards dashboard-png dashboard-demo
 system-deps:
 	@command -v promtool >/dev/null 2>&1 && command -v prometheus >/dev/null 2>&1 || { \
 	  echo "[system-deps] installing prometheus (apt)"; \
@@ -79,6 +86,10 @@ PROMETHEUS_URL ?= http://127.0.0.1:$(PROMETHEUS_PORT)
 dashboard-png: install
 	$(PY) dashboards/render_panels.py --prometheus-url $(PROMETHEUS_URL) --out reports/dashboard --minutes 30
 
+# Self-contained: private Ray + app + Prometheus, ~2 min of mixed load, every panel → reports/dashboard/
+dashboard-demo: install model system-deps
+	$(PY) dashboards/demo.py --out reports/dashboard
+
 # ---- load testing and the batching study (issue 6) ------------------------------------------------
 # make loadtest: a bounded headless Locust run (default 8 users, 60 s, skewed workload) against a running
 # server: start `make serve` in another terminal first and wait for 'OpenAI-compatible API ready'.
@@ -98,7 +109,8 @@ loadtest: install
 	  LOADTEST_ARGS="$(LOADTEST_ARGS)" loadtest/run_loadtest.sh
 
 # W2 (DESIGN §7): one seeded Poisson trace replayed in-process under static, dynamic and continuous
-# batching → reports/batching.{json,md} + PNGs (≈ 5-10 min on 2 busy cores; BENCH_BATCHING_ARGS=--quick: ≈ 1 min).
+# batching → reports/batching.{json,md} + PNGs (7.5 min measured on 2 cores at load average 12-15;
+# BENCH_BATCHING_ARGS=--quick: 16 requests, ≈ 1.5 min, into build/bench-batching-quick/).
 BENCH_BATCHING_ARGS ?=
 bench-batching: install model
 	$(PY) loadtest/bench_batching.py $(BENCH_BATCHING_ARGS)
