@@ -141,7 +141,10 @@ class ServeConfig:
     OpenMP thread otherwise). The API key comes from `api_key`, else from the environment variable
     named by `api_key_env` when the app is built; empty means no authentication.
     `stat_logger_factories` are "module:callable" paths, each called in the replica as
-    `factory(config)` to make one engine `StatLogger`.
+    `factory(config)` to make one engine `StatLogger`. `stream_batch_interval_s` > 0 lets a replica
+    merge a stream's deltas that arrive within that interval into one item (the first token and the
+    finish are never held): each streamed item costs CPU in the replica, the ingress and the proxy,
+    which matters when engine steps are much shorter than the interval (GPUs).
     Routing (DESIGN.md §6): `router` picks the LLMServer request router (`kv_aware`, Serve's `pow2`,
     `round_robin`); `router_kwargs` tune the KV-aware one (weights, staleness bound; names in
     `serving.routing_policy.KVRouterSettings`); `request_router_class` plugs in any other router.
@@ -171,6 +174,7 @@ class ServeConfig:
     health_check_timeout_s: float = 30.0
     graceful_shutdown_timeout_s: float = 5.0
     stat_logger_factories: tuple[str, ...] = ()
+    stream_batch_interval_s: float = 0.0  # >0: merge a stream's deltas for up to this long (fewer Ray items)
     # OpenAIIngress deployment
     ingress_num_replicas: int = 1
     ingress_num_cpus: float = 0.1
@@ -209,6 +213,7 @@ class ServeConfig:
         _require(self.max_request_bytes >= 1024, "max_request_bytes", "must be >= 1024")
         _require(self.replica_failure_retries >= 0, "replica_failure_retries", "must be >= 0")
         _require(self.retry_after_s >= 0, "retry_after_s", "must be >= 0")
+        _require(0 <= self.stream_batch_interval_s <= 1, "stream_batch_interval_s", "must be in [0, 1] seconds")
         for path in self.stat_logger_factories:
             _require(isinstance(path, str) and ":" in path, "stat_logger_factories", f"expected 'module:callable', got {path!r}")
         if self.request_router_class:

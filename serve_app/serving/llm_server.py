@@ -16,6 +16,7 @@ torch is imported only inside the replica (when the backend starts), never at mo
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import logging
@@ -49,6 +50,30 @@ class GenerationChunk:
     def from_output(cls, out: RequestOutput) -> GenerationChunk:
         reason = None if out.finish_reason is None else str(out.finish_reason)
         return cls(out.text, tuple(out.token_ids), out.finished, reason, out.num_prompt_tokens)
+
+    def merge(self, later: GenerationChunk) -> GenerationChunk:
+        """This delta followed by a later one, as a single delta."""
+        return GenerationChunk(self.text + later.text, self.token_ids + later.token_ids, later.finished,
+                               later.finish_reason, later.num_prompt_tokens)
+
+
+async def batch_stream(outputs: AsyncIterator[RequestOutput], interval_s: float) -> AsyncIterator[GenerationChunk]:
+    """Deltas as chunks; with `interval_s` > 0, deltas arriving within `interval_s` of the previous
+    yield are merged into the next one. The first delta and the finish are yielded at once, so TTFT
+    and end-to-end latency are untouched; a held delta waits at most `interval_s` + one engine step."""
+    pending: GenerationChunk | None = None
+    last_yield = -float("inf")
+    first = True
+    async with contextlib.aclosing(outputs):  # leaving early closes the backend stream: abort, free KV
+        async for out in outputs:
+            chunk = GenerationChunk.from_output(out)
+            pending = chunk if pending is None else pending.merge(chunk)
+            now = time.monotonic()
+            if first or pending.finished or interval_s <= 0 or now - last_yield >= interval_s:
+                yield pending
+                pending, last_yield, first = None, now, False
+    if pending is not None:  # pragma: no cover - a backend stream always ends with a finished delta
+        yield pending
 
 
 def import_attr(path: str) -> Any:
@@ -100,10 +125,11 @@ class LLMServer:
         num_tokens = 0
         reason = None
         try:
-            async for out in self.backend.generate(request):
-                num_tokens += len(out.token_ids)
-                reason = out.finish_reason
-                yield GenerationChunk.from_output(out)
+            async with contextlib.aclosing(batch_stream(self.backend.generate(request), self.config.stream_batch_interval_s)) as chunks:
+                async for chunk in chunks:
+                    num_tokens += len(chunk.token_ids)
+                    reason = chunk.finish_reason
+                    yield chunk
         finally:
             if self.config.log_requests:
                 logger.info("request %s: prompt %r → %d tokens (%s)", request.request_id,

@@ -347,3 +347,46 @@ def test_body_size_limit():
             assert (await c.post("/v1/chat/completions", json=CHAT)).status_code == 200
 
     run(main())
+
+
+def test_batch_stream_merges_deltas_within_the_interval():
+    from serve_app.serving.llm_server import batch_stream
+    from serve_app.types import FinishReason, RequestMetrics, RequestOutput
+
+    def out(text: str, finished: bool = False) -> RequestOutput:
+        return RequestOutput("r", text, (len(text),), finished, FinishReason.LENGTH if finished else None, 5,
+                             RequestMetrics(arrival_time=0.0))
+
+    async def deltas(delay_s: float):
+        for i, text in enumerate(["a", "b", "c", "d", "e"]):
+            await asyncio.sleep(delay_s)
+            yield out(text, finished=i == 4)
+
+    async def collect(interval_s: float, delay_s: float):
+        return [c async for c in batch_stream(deltas(delay_s), interval_s)]
+
+    unbatched = run(collect(0.0, 0.0))
+    assert [c.text for c in unbatched] == ["a", "b", "c", "d", "e"]
+    held = run(collect(10.0, 0.0))  # everything after the first delta waits for the finish
+    assert [c.text for c in held] == ["a", "bcde"] and held[-1].finished and held[-1].finish_reason == "length"
+    assert held[-1].token_ids == (1, 1, 1, 1) and held[-1].num_prompt_tokens == 5
+    spaced = run(collect(0.01, 0.03))  # deltas slower than the interval pass straight through
+    assert [c.text for c in spaced] == ["a", "b", "c", "d", "e"]
+
+    closed: list[bool] = []
+
+    async def endless():
+        try:
+            while True:
+                await asyncio.sleep(0)
+                yield out("x")
+        finally:
+            closed.append(True)
+
+    async def leave_early():
+        stream = batch_stream(endless(), 0.0)
+        await stream.__anext__()
+        await stream.aclose()
+
+    run(leave_early())
+    assert closed == [True]  # leaving early closes the backend stream (which aborts the request)

@@ -25,9 +25,9 @@ from tests.serving.conftest import (
     wait_until_idle,
 )
 
-CHAT_PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers greater than 10."]
+CHAT_PROMPTS = ["What is the capital of France?", "List three prime numbers greater than 10."]
 TEXT_PROMPTS = ["Once upon a time", "The three primary colors are"]
-MAX_TOKENS = 24
+MAX_TOKENS = 20
 
 
 @pytest.fixture(scope="module")
