@@ -69,6 +69,7 @@ class RunState:
     arrivals: PoissonArrivals | None = None
     records: list[dict] = field(default_factory=list)
     user_index: int = 0
+    process_seed: int = 0
 
 
 STATE = RunState()
@@ -99,6 +100,10 @@ def _auth_headers(api_key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
+def _worker_index(environment) -> int:
+    return max(0, getattr(environment.runner, "worker_index", 0) or 0)
+
+
 def discover_model(base: str, api_key: str, timeout_s: float = 30.0) -> str:
     request = urllib.request.Request(f"{base}/models", headers=_auth_headers(api_key))
     with urllib.request.urlopen(request, timeout=timeout_s) as response:  # noqa: S310 - the URL is the tested server
@@ -113,7 +118,8 @@ def _on_test_start(environment, **_kwargs) -> None:
     opts = environment.parsed_options
     STATE.base = api_base(environment.host or "http://127.0.0.1:8000")
     STATE.records = []
-    STATE.arrivals = PoissonArrivals(opts.arrival_rate, opts.seed) if opts.arrival_rate > 0 else None
+    STATE.process_seed = opts.seed * 1_000_003 + 7919 * _worker_index(environment)  # distinct per --processes worker
+    STATE.arrivals = PoissonArrivals(opts.arrival_rate, STATE.process_seed) if opts.arrival_rate > 0 else None
     STATE.model = opts.model
     if not STATE.model:
         try:
@@ -208,7 +214,7 @@ class OpenAIStreamingUser(FastHttpUser):
     def on_start(self) -> None:
         opts = self.environment.parsed_options
         STATE.user_index += 1
-        self.rng = random.Random(opts.seed * 1_000_003 + STATE.user_index)
+        self.rng = random.Random(STATE.process_seed * 1_000_003 + STATE.user_index)
         self.workload = Workload(opts.workload, self.rng, turns=opts.turns, max_tokens=opts.max_tokens)
         self.network_timeout = opts.request_timeout
 
