@@ -1,0 +1,163 @@
+"""Llama-family decoder (Llama, SmolLM, Qwen2, Mistral) over a flattened token batch and a paged KV cache.
+
+Differences between the families are config-driven: grouped-query attention (num_key_value_heads),
+q/k/v bias (Qwen2), tied embeddings, RoPE theta and scaling (default, linear, llama3).
+q/k/v and gate/up projections are fused into one matmul each.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from serve_app.engine.attention import AttentionMetadata, paged_attention
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+
+
+@dataclass(frozen=True)
+class LlamaArgs:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    sliding_window: int | None
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> LlamaArgs:
+        archs = cfg.get("architectures") or []
+        if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+            raise ValueError(f"model: architecture {archs} is not supported (supported: {SUPPORTED_ARCHITECTURES})")
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"model: hidden_act {cfg['hidden_act']!r} is not supported")
+        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        theta = rope.pop("rope_theta", cfg.get("rope_theta", 10000.0))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        heads = cfg["num_attention_heads"]
+        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            rope_scaling=None if rope_type == "default" else {**rope, "rope_type": rope_type},
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            qkv_bias="Qwen2ForCausalLM" in archs or cfg.get("attention_bias", False),
+            sliding_window=window,
+        )
+
+
+def rope_inv_freq(args: LlamaArgs) -> torch.Tensor:
+    """Inverse frequencies [head_dim / 2] in fp32, with HF's scaling rules."""
+    d = args.head_dim
+    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    scaling = args.rope_scaling
+    if scaling is None:
+        return inv_freq
+    kind = scaling["rope_type"]
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind == "llama3":
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        mid = (1 - smooth) * scaled / factor + smooth * scaled
+        is_mid = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        return torch.where(is_mid, mid, scaled)
+    raise ValueError(f"model: rope scaling {kind!r} is not supported")
+
+
+class LlamaLayer(nn.Module):
+    def __init__(self, args: LlamaArgs) -> None:
+        super().__init__()
+        h, q, kv = args.hidden_size, args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
+        self.input_norm = nn.Parameter(torch.ones(h), requires_grad=False)
+        self.qkv = nn.Parameter(torch.empty(q + 2 * kv, h), requires_grad=False)
+        self.qkv_bias = nn.Parameter(torch.zeros(q + 2 * kv), requires_grad=False) if args.qkv_bias else None
+        self.o = nn.Parameter(torch.empty(h, q), requires_grad=False)
+        self.post_norm = nn.Parameter(torch.ones(h), requires_grad=False)
+        self.gate_up = nn.Parameter(torch.empty(2 * args.intermediate_size, h), requires_grad=False)
+        self.down = nn.Parameter(torch.empty(h, args.intermediate_size), requires_grad=False)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, args: LlamaArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.embed = nn.Parameter(torch.empty(args.vocab_size, args.hidden_size), requires_grad=False)
+        self.layers = nn.ModuleList(LlamaLayer(args) for _ in range(args.num_layers))
+        self.norm = nn.Parameter(torch.ones(args.hidden_size), requires_grad=False)
+        self.lm_head = None if args.tie_word_embeddings else nn.Parameter(torch.empty(args.vocab_size, args.hidden_size), requires_grad=False)
+        self.scale = args.head_dim**-0.5
+        self._cos: torch.Tensor | None = None
+        self._sin: torch.Tensor | None = None
+
+    def init_rope(self, max_positions: int) -> None:
+        """cos/sin tables [max_positions, head_dim] in the model dtype (computed in fp32, as HF does)."""
+        inv_freq = rope_inv_freq(self.args).to(self.embed.device)
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32, device=self.embed.device), inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self._cos = emb.cos().to(self.embed.dtype)
+        self._sin = emb.sin().to(self.embed.dtype)
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rotated * sin
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Hidden states [T, hidden] before the final norm."""
+        a = self.args
+        num_tokens = input_ids.shape[0]
+        q_size, kv_size = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+        cos = self._cos[positions].unsqueeze(1)  # [T, 1, D]
+        sin = self._sin[positions].unsqueeze(1)
+        hidden = F.embedding(input_ids, self.embed)  # [T, hidden]
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+            residual = hidden
+            x = F.rms_norm(hidden, (a.hidden_size,), layer.input_norm, a.rms_norm_eps)
+            qkv = F.linear(x, layer.qkv, layer.qkv_bias)  # [T, q + 2 kv]
+            q, k, v = qkv.split((q_size, kv_size, kv_size), dim=-1)
+            q = self._rope(q.view(num_tokens, a.num_heads, a.head_dim), cos, sin)
+            k = self._rope(k.view(num_tokens, a.num_kv_heads, a.head_dim), cos, sin)
+            v = v.view(num_tokens, a.num_kv_heads, a.head_dim)
+            attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)  # [T, H, D]
+            hidden = residual + F.linear(attn.view(num_tokens, q_size), layer.o)
+            residual = hidden
+            x = F.rms_norm(hidden, (a.hidden_size,), layer.post_norm, a.rms_norm_eps)
+            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
+            hidden = residual + F.linear(F.silu(gate) * up, layer.down)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[S, hidden] → fp32 logits [S, vocab]."""
+        x = F.rms_norm(hidden, (self.args.hidden_size,), self.norm, self.args.rms_norm_eps)
+        return F.linear(x, self.embed if self.lm_head is None else self.lm_head).float()
