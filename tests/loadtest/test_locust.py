@@ -1,6 +1,7 @@
 """loadtest/locustfile.py, headless, against a real local deployment (Ray Serve on 127.0.0.1, one
-LLMServer replica): no request fails and the LLM metrics (TTFT, TPOT, e2e, output tokens) are recorded,
-in Locust's statistics and in the per-request records; then the report script summarizes the run.
+LLMServer replica, an API key): no request fails and the LLM metrics (TTFT, TPOT, e2e, output tokens)
+are recorded, in Locust's statistics and in the per-request records; then the report script
+summarizes the run. A wrong key makes every request fail, counted as such, with exit status 1.
 
 Locust runs as its own process (the `locust` CLI): it monkey-patches with gevent, which breaks ssl in a
 process that already imported Ray (DESIGN §2), so this test process never imports it.
@@ -21,13 +22,15 @@ from tests.serving.conftest import MODEL_NAME, REPO, app_args, serve_app
 
 LOCUST = Path(sys.executable).with_name("locust")
 MAX_TOKENS = 12
+API_KEY = "locust-test-key"
 
 pytestmark = pytest.mark.timeout(600)
 
 
 @pytest.fixture(scope="module")
 def served(model_dir):
-    """Ray + the Serve app: one replica, one torch thread (a shared 2-core machine), a small KV cache."""
+    """Ray + the Serve app: one replica, one torch thread (a shared 2-core machine), a small KV cache,
+    an API key."""
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # Ray's own traffic on loopback
     import ray
 
@@ -35,19 +38,20 @@ def served(model_dir):
         ray.shutdown()
     ray.init(include_dashboard=False, log_to_driver=False, namespace="loadtest-tests")
     try:
-        args = app_args(num_replicas=1, torch_num_threads=1, engine={"dtype": "bfloat16", "num_blocks": 512, "max_num_seqs": 16})
+        args = app_args(num_replicas=1, torch_num_threads=1, api_key=API_KEY,
+                        engine={"dtype": "bfloat16", "num_blocks": 512, "max_num_seqs": 16})
         with serve_app(ray, args) as app:
             yield app
     finally:
         ray.shutdown()
 
 
-def run_locust(app, out: Path, run_time_s: int, *options: str) -> subprocess.CompletedProcess:
+def run_locust(app, out: Path, run_time_s: int, *options: str, api_key: str = API_KEY) -> subprocess.CompletedProcess:
     assert LOCUST.is_file(), f"{LOCUST} missing: `make install` installs locust (dev extras)"
     cmd = [str(LOCUST), "-f", "loadtest/locustfile.py", "--host", app.base_url, "--headless", "--only-summary",
            "-t", f"{run_time_s}s", "--stop-timeout", "30", "--csv", str(out / "locust"), "--records", str(out / "records.jsonl"),
-           "--max-tokens", str(MAX_TOKENS), "--ignore-eos", *options]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+           "--max-tokens", str(MAX_TOKENS), "--ignore-eos", "--api-key", api_key, *options]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_") and k != "OPENAI_API_KEY"}
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=run_time_s + 90, env=env)
     print(proc.stdout[-3000:], proc.stderr[-6000:], sep="\n")
     return proc
@@ -127,3 +131,19 @@ def test_open_loop_poisson_multi_turn(served, tmp_path):
     assert first and min(first) > 400  # the ~450-token shared system prompt
     if second:
         assert min(second) > min(first) + MAX_TOKENS
+
+
+def test_wrong_api_key_fails_every_request(served, tmp_path):
+    proc = run_locust(served, tmp_path, 3, "-u", "2", "-r", "2", "--model", MODEL_NAME, api_key="wrong")
+    assert proc.returncode == 1
+    stats = read_stats(tmp_path)
+    rows = [row for (kind, _), row in stats.items() if kind == "POST"]
+    assert rows and all(int(r["Failure Count"]) == int(r["Request Count"]) > 0 for r in rows)
+    assert not any(kind == "LLM" for kind, _ in stats)  # no latency metric from a failed request
+    with open(tmp_path / "locust_failures.csv") as f:
+        errors = {row["Error"] for row in csv.DictReader(f)}
+    assert errors and all("HTTP 401: invalid API key" in e for e in errors), errors
+    records = read_records(tmp_path)
+    assert records and not any(r["ok"] for r in records)
+    # a closed-loop user backs off after a failure instead of hammering the server
+    assert len(records) <= 2 * 5
