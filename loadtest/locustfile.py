@@ -128,7 +128,7 @@ def _on_test_start(environment, **_kwargs) -> None:
             logger.error("could not list models at %s/models (%r); pass --model", STATE.base, exc)
             STATE.model = "unknown"
     mode = f"open loop, Poisson {opts.arrival_rate:g} req/s" if STATE.arrivals else f"closed loop, think time {opts.think_time:g} s"
-    logger.info("LLM load test: %s, model %r, profile %s, api %s, %s", STATE.base, STATE.model, opts.workload, opts.api, mode)
+    logger.info("LLM load test: %s, model %r, workload %s, api %s, %s", STATE.base, STATE.model, opts.workload, opts.api, mode)
 
 
 @events.test_stop.add_listener
