@@ -8,9 +8,9 @@ process through a DeploymentHandle (which runs the configured router, as the ing
   among short ones (48 → 16);
 - uniform: the same arrival times, every request of the mix's mean size.
 
-"Near capacity": unless `--rate` is given, a saturated closed loop on the first deployment (24
-clients, skewed mix) measures the output-token rate the two replicas sustain; capacity in requests/s
-is that ÷ the mix's mean output length, and the traces arrive at `--load` (0.85) times it. Measured per run: TTFT (from each request's scheduled arrival, so queueing counts) p50/p99,
+"Near capacity": unless `--rate` is given, a saturated closed loop on the first deployment (16
+clients replaying the skewed mix) measures how many requests/s the two replicas complete; the traces
+arrive at `--load` (0.85) times that. Measured per run: TTFT (from each request's scheduled arrival, so queueing counts) p50/p99,
 e2e p99, output tok/s over the run, preemptions and requests per replica (from the replica probe,
 `loadtest/replica_probe.py`). Routers run in sequence on a shared 2-core machine: read the ratios,
 not the absolute numbers, and expect noise from whatever else runs.
@@ -147,38 +147,33 @@ async def replay(handle: Any, trace: list[TraceRequest], tag: str, drain_s: floa
 
 
 async def calibrate(handle: Any, mix: Mix, seconds: float, concurrency: int, seed: int) -> float:
-    """Saturated closed loop: `concurrency` clients send skewed-mix requests back to back; the output
-    tokens streamed from a quarter into the window (ramp-up skipped) to its end give the token rate,
-    and the request capacity is that ÷ the mix's mean output length. Requests still running at the
-    end are cancelled (aborted in the engines), not waited for: a long request outlasts the window."""
+    """Saturated closed loop: `concurrency` clients each replay the skewed trace's requests in order,
+    back to back, so completions follow the trace's mix; capacity = requests completed per second from
+    a quarter into the window (ramp-up skipped) to its end. Requests still running at the end are
+    cancelled (aborted in the engines), not waited for: counting a drain would understate capacity."""
     trace = make_trace("skewed", mix, rate=1000.0, duration_s=10.0, seed=seed + 99)
     loop = asyncio.get_running_loop()
     start = loop.time()
-    tokens_in_window = 0
+    completed = 0
     counter = iter(range(10**9))
 
-    async def client() -> None:
-        nonlocal tokens_in_window
-        from serve_app.types import GenerateRequest, SamplingParams
-
-        while True:
-            k = next(counter)
+    async def client(offset: int) -> None:
+        nonlocal completed
+        for k in range(offset, 10**9):
             req = trace[k % len(trace)]
-            request = GenerateRequest(f"calib-{k}-{req.kind}", prompt=list(req.prompt),
-                                      sampling_params=SamplingParams(max_tokens=req.max_tokens, temperature=0.0, ignore_eos=True))
-            async for chunk in handle.options(stream=True).generate.remote(request):
-                if loop.time() - start >= seconds / 4:
-                    tokens_in_window += len(chunk.token_ids)
+            await send(handle, f"calib-{next(counter)}-{req.kind}", list(req.prompt), req.max_tokens, loop.time())
+            if loop.time() - start >= seconds / 4:
+                completed += 1
 
-    clients = [asyncio.ensure_future(client()) for _ in range(concurrency)]
+    clients = [asyncio.ensure_future(client(i * len(trace) // concurrency)) for i in range(concurrency)]
     await asyncio.sleep(seconds)
-    measured = tokens_in_window
+    measured = completed
     for c in clients:
         c.cancel()
     await asyncio.gather(*clients, return_exceptions=True)
     if measured == 0:
-        raise RuntimeError(f"calibration: no output token in {seconds:.0f} s")
-    return measured / (seconds * 3 / 4) / mix.mean_output
+        raise RuntimeError(f"calibration: no request completed in {seconds:.0f} s")
+    return measured / (seconds * 3 / 4)
 
 
 # ---- one router ----------------------------------------------------------------------------------------
@@ -332,19 +327,19 @@ def plot(results: dict[str, Any], path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--routers", nargs="+", default=list(ROUTERS), choices=ROUTERS)
-    parser.add_argument("--duration", type=float, default=36.0, help="seconds of arrivals per trace")
+    parser.add_argument("--duration", type=float, default=32.0, help="seconds of arrivals per trace")
     parser.add_argument("--rate", type=float, default=None, help="arrivals/s (default: --load × calibrated capacity)")
     parser.add_argument("--load", type=float, default=0.85)
-    parser.add_argument("--calibrate-s", type=float, default=20.0)
-    parser.add_argument("--calibrate-concurrency", type=int, default=24)
+    parser.add_argument("--calibrate-s", type=float, default=32.0)
+    parser.add_argument("--calibrate-concurrency", type=int, default=16)
     parser.add_argument("--num-blocks", type=int, default=96, help="KV blocks per replica (2 long + 8 short requests fill one)")
     parser.add_argument("--drain-s", type=float, default=90.0, help="after the last arrival, wait this long at most")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out-dir", default=None)
-    parser.add_argument("--quick", action="store_true", help="8 s traces, 10 s calibration (smoke run)")
+    parser.add_argument("--quick", action="store_true", help="8 s traces, 12 s calibration (smoke run)")
     opts = parser.parse_args()
     if opts.quick:
-        opts.duration, opts.calibrate_s, opts.drain_s = 8.0, 10.0, 60.0
+        opts.duration, opts.calibrate_s, opts.drain_s = 8.0, 12.0, 60.0
     out_dir = Path(opts.out_dir or (REPO / ("build/bench-routing-quick" if opts.quick else "reports")))
     mix = Mix()
     os.chdir(REPO)  # replicas import loadtest.replica_probe from the driver's working directory
