@@ -121,7 +121,9 @@ class OpenAIAPI:
                         stream: bool, aliases: dict[str, str]) -> Response:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.request_timeout_s
-        streams = [ChoiceStream(self.llm, r, self.config.replica_failure_retries) for r in requests]
+        fan_out = len(requests) > 1
+        streams = [ChoiceStream(self.llm, r, self.config.replica_failure_retries, call_suffix=str(i) if fan_out else "")
+                   for i, r in enumerate(requests)]
         async with asyncio.timeout_at(deadline):
             firsts = await start_all(streams)  # errors (400, 503, ...) surface here, before any byte is sent
         choices = [ChoiceState(prompt_index=p) for p in prompt_indexes]

@@ -8,13 +8,19 @@
   the HTTP handler can wait on it with a deadline (cancelling a queue read is always safe) and a
   client disconnect or a timeout cancels the pump, which cancels the replica calls, which aborts the
   requests in the engine and frees their KV blocks.
+- Fan-out (`n` > 1, a batch of prompts): Serve gives every handle call made while serving one HTTP
+  request that request's internal id, but routers and replicas track calls by that id (a custom
+  `RequestRouter` without `FIFOMixin` matches routing results to calls by it: two calls with one id
+  and one of them is never routed). Each choice of a fan-out is therefore sent under its own id
+  (`parent-id/index`), which keeps the parent visible in logs.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+import dataclasses
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from serve_app.serving.errors import APIError, is_retriable
@@ -24,21 +30,51 @@ from serve_app.types import GenerateRequest
 _DONE = object()
 
 
-class ChoiceStream:
-    """One generation request (one choice of one prompt) on an LLMServer replica."""
+@contextlib.contextmanager
+def own_serve_request_id(suffix: str) -> Iterator[None]:
+    """Handle calls made inside get the current Serve request's internal id + `suffix` as their own.
 
-    def __init__(self, handle: Any, request: GenerateRequest, retries: int = 1) -> None:
+    Uses Serve's request-context variable (`ray.serve.context`, not a public API); if that changes,
+    calls keep the parent's id (correct for routers with FIFO matching, e.g. Serve's default)."""
+    try:
+        from ray.serve import context as serve_context
+
+        current = serve_context._get_serve_request_context()
+        own = dataclasses.replace(current, _internal_request_id=f"{current._internal_request_id or 'req'}/{suffix}")
+        token = serve_context._serve_request_context.set(own)
+    except (ImportError, AttributeError, TypeError):  # pragma: no cover - a future Serve without it
+        yield
+        return
+    try:
+        yield
+    finally:
+        serve_context._serve_request_context.reset(token)
+
+
+class ChoiceStream:
+    """One generation request (one choice of one prompt) on an LLMServer replica.
+
+    `call_suffix` (fan-out only): the replica call runs under its own Serve request id (see above)."""
+
+    def __init__(self, handle: Any, request: GenerateRequest, retries: int = 1, call_suffix: str = "") -> None:
         self._handle = handle
         self.request = request
         self._retries = retries
+        self._call_suffix = call_suffix
         self._response: Any = None
         self.finished = False
+
+    def _call(self) -> Any:
+        if not self._call_suffix:
+            return self._handle.options(stream=True).generate.remote(self.request)
+        with own_serve_request_id(self._call_suffix):
+            return self._handle.options(stream=True).generate.remote(self.request)
 
     async def start(self) -> GenerationChunk:
         """Send the request; return its first chunk (raises what the replica raised)."""
         attempt = 0
         while True:
-            self._response = self._handle.options(stream=True).generate.remote(self.request)
+            self._response = self._call()
             try:
                 chunk = await self._response.__anext__()
             except StopAsyncIteration:

@@ -73,6 +73,7 @@ class FakeHandle:
         self.script = script
         self.healthy = healthy
         self.calls: list[GenerateRequest] = []
+        self.serve_ids: list[str] = []  # the Serve internal request id each call was made under
         self.responses: list[FakeResponse] = []
         self.generate = _Method(self._generate)
         self.check_health = _Method(self._check_health)
@@ -81,8 +82,11 @@ class FakeHandle:
         return self
 
     def _generate(self, request: GenerateRequest) -> FakeResponse:
+        from ray.serve import context as serve_context
+
         attempt = sum(1 for c in self.calls if c.request_id == request.request_id)
         self.calls.append(request)
+        self.serve_ids.append(serve_context._get_serve_request_context()._internal_request_id)
         response = self.script(request, attempt)
         self.responses.append(response)
         return response
@@ -201,6 +205,7 @@ def test_replica_death_before_first_token_is_retried():
 
     run(main())
     assert len(handle.calls) == 2 and handle.calls[0].request_id == handle.calls[1].request_id
+    assert "/" not in handle.serve_ids[0]  # a single choice keeps the HTTP request's own Serve id
 
 
 def test_replica_death_retries_are_bounded():
@@ -255,6 +260,8 @@ def test_n_fans_out_with_distinct_seeds_and_fails_together():
     run(main())
     assert [c.sampling_params.seed for c in handle.calls] == [10, 11, 12]
     assert len({c.request_id for c in handle.calls}) == 3
+    # each choice is its own Serve call (routers match routing results to calls by this id)
+    assert len(set(handle.serve_ids)) == 3 and all(i.endswith(("/0", "/1", "/2")) for i in handle.serve_ids)
 
     def script(request, attempt):  # the second choice fails: the others are cancelled
         if request.request_id.endswith("-1"):
