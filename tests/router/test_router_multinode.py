@@ -28,7 +28,10 @@ from tests.router.ray_helpers import (
     wait_for,
 )
 
-pytestmark = pytest.mark.timeout(600)
+# slow: outside the default suite (make test-all runs it). It failed once in a full-suite run on a
+# machine at load average 17 (a second raylet next to a Serve app on 2 cores); the deploy suite's
+# multi-node test still runs by default.
+pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
 NUM_BURST = 16
 NUM_SHORT = 20
