@@ -27,7 +27,14 @@ from collections import Counter
 from typing import Any
 
 from ray.serve._private.constants import SERVE_LOGGER_NAME
-from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
+from ray.serve.request_router import (
+    FIFOMixin,
+    PendingRequest,
+    ReplicaID,
+    ReplicaResult,
+    RequestRouter,
+    RunningReplica,
+)
 
 from serve_app.serving.routing_policy import (
     InFlightLedger,
@@ -58,8 +65,16 @@ def _make_metrics(kind: str, model_name: str) -> Any:
         return None
 
 
-class KVCacheAwareRouter(RequestRouter):
-    """Ranks replicas by estimated KV occupancy (see `serve_app.serving.routing_policy`)."""
+class KVCacheAwareRouter(FIFOMixin, RequestRouter):
+    """Ranks replicas by estimated KV occupancy (see `serve_app.serving.routing_policy`).
+
+    With `FIFOMixin` (as Serve's own power-of-two router), a replica found for one request goes to
+    the oldest pending request when no request matches exactly: handle calls made while serving one
+    HTTP request share Serve's internal request id, and without it all but one of them would never be
+    routed. The ledger follows what Serve reports (`on_request_routed` moves a reservation to where
+    the request really went); it keys requests by that internal id, so callers should give
+    concurrent calls their own (the ingress does, per choice).
+    """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -174,7 +189,7 @@ class KVCacheAwareRouter(RequestRouter):
         self._receipts.pop(replica_id.unique_id, None)
 
 
-class RoundRobinRouter(RequestRouter):
+class RoundRobinRouter(FIFOMixin, RequestRouter):
     """Each request to the next replica in turn (by replica id); a full replica passes its turn on."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:

@@ -385,6 +385,24 @@ def test_serve_routing_loop_takes_our_order_and_skips_full_replicas():
     run(main())
 
 
+def test_calls_sharing_an_internal_request_id_are_all_routed():
+    """Handle calls made while serving one HTTP request share Serve's internal request id (n > 1,
+    prompt batches): every one of them must get a replica (FIFO fallback), none may hang."""
+
+    async def main():
+        clock = Clock()
+        a, b = FakeReplica("a"), FakeReplica("b")
+        a.publish(used=0, total=100, at=clock.now)
+        b.publish(used=10, total=100, at=clock.now)
+        for cls in (KVCacheAwareRouter, RoundRobinRouter):
+            router = make_router(cls, clock, [a, b], **({"seed": 0} if cls is KVCacheAwareRouter else {}))
+            calls = [pending(gen_request(f"choice-{j}", 32, 16), internal_id="same-http-request") for j in range(3)]
+            chosen = await asyncio.wait_for(asyncio.gather(*(router._choose_replica_for_request(pr) for pr in calls)), 10)
+            assert len(chosen) == 3 and all(r in (a, b) for r in chosen), cls.__name__
+
+    run(main())
+
+
 # ---- metrics ------------------------------------------------------------------------------------------
 def test_routed_counts_and_stats_age_are_exported():
     async def main():
