@@ -65,7 +65,7 @@ class KVRouterSettings:
     chars_per_token: float = 4.0  # text prompts are not tokenized by the router
     waiting_weight: float = 1.0  # weight of a replica's waiting queue (× mean request blocks); 0: tie-break only
     tie_tolerance: float = 0.02  # occupancies within this of the best are ties
-    max_stats_age_s: float = 0.0  # older samples are stale; 0: max(1 s, 5 × stats_period_s)
+    max_stats_age_s: float = 0.0  # older samples are stale; 0: max(2 s, 10 × stats_period_s)
     stats_period_s: float = 0.5  # the deployment's request_routing_stats_period_s
     sample_lag_s: float = 1.0  # a request routed this long before a sample may still be missing from it
     reservation_ttl_s: float = 60.0  # drop a choice Serve never confirmed (routed / completed) after this
@@ -84,7 +84,9 @@ class KVRouterSettings:
             _require(isinstance(value, int | float) and value > 0, name, "must be > 0")
         _require(self.metrics in ("ray", "prometheus", "none"), "metrics", "must be 'ray', 'prometheus' or 'none'")
         if self.max_stats_age_s == 0:
-            object.__setattr__(self, "max_stats_age_s", max(1.0, 5 * self.stats_period_s))
+            # lenient: on a busy machine the controller's poll and broadcast lag by a second or more,
+            # and a needless fallback to least-in-flight ignores load this router did not send
+            object.__setattr__(self, "max_stats_age_s", max(2.0, 10 * self.stats_period_s))
 
     @classmethod
     def from_kwargs(cls, kwargs: Mapping[str, Any] | None = None) -> KVRouterSettings:

@@ -57,8 +57,8 @@ def test_settings_validation():
         KVRouterSettings(tie_tolerance=-0.1)
     with pytest.raises(ValueError, match="^block_size"):
         KVRouterSettings(block_size=0)
-    assert KVRouterSettings(stats_period_s=0.2).max_stats_age_s == 1.0  # auto: max(1 s, 5 periods)
-    assert KVRouterSettings(stats_period_s=1.0).max_stats_age_s == 5.0
+    assert KVRouterSettings(stats_period_s=0.2).max_stats_age_s == 2.0  # auto: max(2 s, 10 periods)
+    assert KVRouterSettings(stats_period_s=1.0).max_stats_age_s == 10.0
     assert KVRouterSettings(max_stats_age_s=0.7).max_stats_age_s == 0.7
 
 
@@ -469,6 +469,6 @@ def test_router_selection_by_config():
         with pytest.raises(ValueError):
             ServeConfig(model=model, **bad)
     settings = KVRouterSettings.from_kwargs(kv.request_router_kwargs)  # what initialize_state builds
-    assert settings.block_size == 16 and settings.waiting_weight == 0.5 and settings.max_stats_age_s == 2.5
+    assert settings.block_size == 16 and settings.waiting_weight == 0.5 and settings.max_stats_age_s == 5.0
     with pytest.raises(ValueError):
         GenerateRequest("r", prompt="x", sampling_params=SamplingParams(max_tokens=0))
