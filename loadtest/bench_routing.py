@@ -230,7 +230,7 @@ def write_report(results: dict[str, Any], out_dir: Path) -> None:
     m, w = results["mix"], results["workload"]
     lines = [
         "# W3 routing: KV-aware vs power-of-two vs round-robin", "",
-        f"Generated {results['date']} by:", "", f"    {results['command']}", "",
+        f"Generated {results['date']} (commit {results.get('git', 'unknown')}) by:", "", f"    {results['command']}", "",
         f"Machine: {results['machine']}; load average at start {results['loadavg_start']}, at end {results['loadavg_end']} "
         "(a shared 2-core machine: routers ran one after another, so machine-load drift is part of the differences).",
         f"Deployment per router: 2 LLMServer replicas, bf16, {w['num_blocks']} KV blocks × 16 tokens each, max_num_seqs 16, "
@@ -354,6 +354,7 @@ def main() -> None:
         "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "command": ".venv/bin/python loadtest/bench_routing.py " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
+        "git": _git_commit(),
         "loadavg_start": " ".join(f"{x:.2f}" for x in os.getloadavg()),
         "mix": {**Mix().__dict__, "mean_prompt": mix.mean_prompt, "mean_output": mix.mean_output},
         "workload": {"duration_s": opts.duration, "seed": opts.seed, "load": opts.load, "num_blocks": opts.num_blocks},
@@ -382,6 +383,18 @@ def main() -> None:
     write_report(results, out_dir)
     print(f"[bench-routing] {results['duration_s']:.0f} s; wrote {out_dir / 'routing.md'}")
     print((out_dir / "routing.md").read_text())
+
+
+def _git_commit() -> str:
+    import subprocess
+
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "serve_app", "loadtest"], cwd=REPO,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return out.stdout.strip() + (" (+ uncommitted changes)" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
 
 
 def _free_port() -> int:
