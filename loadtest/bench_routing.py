@@ -29,6 +29,7 @@ import json
 import os
 import platform
 import shlex
+import shutil
 import sys
 import tempfile
 import time
@@ -376,6 +377,7 @@ def main() -> None:
         with contextlib.suppress(Exception):
             serve.shutdown()
         ray.shutdown()
+        shutil.rmtree(probe_dir, ignore_errors=True)
     results["loadavg_end"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
     results["duration_s"] = time.monotonic() - started
     results["comparison"] = {name: compare({r: v["runs"].get(name, {}) for r, v in results["routers"].items()})
