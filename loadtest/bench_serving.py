@@ -12,10 +12,11 @@ Measures
 
 Repeats are interleaved (direct, then Serve, for each measurement of each repeat) so that a change
 in machine load hits both alike; ratios are taken per repeat and reported as median [min-max].
-The Serve app is built from configs/local.yaml (engine options, replicas) unless overridden;
-`--replicas 2 1` measures each replica count against the direct engine.
+The Serve app is built from configs/local.yaml (engine options, replicas, threads) unless overridden;
+`--replicas 2 1 --replica-threads 1 0` measures 2 replicas with one torch thread each and 1 replica
+with every core, each against the direct engine (every core).
 
-    .venv/bin/python loadtest/bench_serving.py                       # writes reports/serving.{json,md}
+    .venv/bin/python loadtest/bench_serving.py --replicas 2 1 --replica-threads 1 0   # reports/serving.{json,md}
     .venv/bin/python loadtest/bench_serving.py --quick               # smoke run (build/bench-serving-quick/)
 """
 
@@ -301,7 +302,9 @@ def write_report(results: dict[str, Any], out_dir: Path) -> None:
     ]
     for v in results["variants"]:
         s = v["summary"]
-        lines += [f"## Serve with {v['replicas']} LLMServer replica(s) (app ready in {v['serve_startup_s']:.1f} s)", "",
+        threads = v.get("torch_threads_per_replica", "?")
+        lines += [f"## Serve with {v['replicas']} LLMServer replica(s), {threads} torch thread(s) each "
+                  f"(direct engine: {results.get('direct_torch_threads', '?')}; app ready in {v['serve_startup_s']:.1f} s)", "",
                   "| measurement | direct engine | through Ray Serve | Serve − / ÷ direct |", "|---|---|---|---|",
                   f"| TTFT p50 at low load (ms) | {fmt(s['ttft']['direct'], 1000)} | {fmt(s['ttft']['serve'], 1000)} | "
                   f"+{fmt(s['ttft']['overhead_ms'])} ms |",
@@ -350,7 +353,8 @@ def summary_lines(results: dict[str, Any]) -> list[str]:
                 f"{direct:.2f} ms for the engine called directly ({100 * (replica / direct - 1):+.0f}%).")
     lines += ["", "Every generated token crosses two Ray streaming hops (replica → ingress → proxy) and one SSE write; "
               "on 2 cores that CPU is taken from the engine. With 2 replicas on 2 cores the streams are split into "
-              "two smaller batches and two engines' thread pools share the cores, which costs more than the hops: "
+              "two smaller batches, each engine on its share of the cores (or, with every core each, two thread "
+              "pools contending), which costs more than the hops: "
               "`configs/local.yaml` runs 2 replicas to exercise routing and failover, not for throughput. "
               "`stream_batch_interval_s` (gpu.yaml: 50 ms) merges a stream's tokens into fewer items when engine steps "
               "are faster than the interval (GPUs); CPU steps here are slower, so it is off in local.yaml.", ""]
@@ -366,6 +370,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="configs/local.yaml", help="Serve YAML whose first application's args are used")
     parser.add_argument("--replicas", type=int, nargs="+", default=None, help="LLMServer replica counts to measure")
+    parser.add_argument("--replica-threads", type=int, nargs="+", default=None,
+                        help="torch threads per replica for each --replicas entry (0: all cores; default: the config's)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--ttft-requests", type=int, default=16)
     parser.add_argument("--prompt-len", type=int, default=128)
@@ -402,11 +408,18 @@ def main() -> None:
         "workload": {"config": opts.config, "engine": engine_kwargs, "prompt_len": opts.prompt_len, "output_len": opts.output_len,
                      "ttft_requests": opts.ttft_requests, "repeats": opts.repeats, "concurrency": opts.concurrency},
         "variants": [],
+        "direct_torch_threads": os.cpu_count(),
     }
     direct = DirectTarget(args["model"], engine_kwargs)
     try:
-        for replicas in opts.replicas or [args.get("num_replicas", 1)]:
-            results["variants"].append(run_variant(direct, {**args, "num_replicas": replicas}, opts, vocab))
+        counts = opts.replicas or [args.get("num_replicas", 1)]
+        threads = opts.replica_threads or [args.get("torch_num_threads", 0)] * len(counts)
+        if len(threads) != len(counts):
+            parser.error("--replica-threads needs one value per --replicas entry")
+        for replicas, n_threads in zip(counts, threads, strict=True):
+            variant = run_variant(direct, {**args, "num_replicas": replicas, "torch_num_threads": n_threads}, opts, vocab)
+            variant["torch_threads_per_replica"] = n_threads or os.cpu_count()
+            results["variants"].append(variant)
     finally:
         direct.close()
         import ray
