@@ -31,6 +31,7 @@ from serve_app.metrics import dashboard as dash
 from serve_app.metrics import local_stack, names
 from serve_app.metrics.prom_api import PrometheusAPI
 from tests.conftest import REPO
+from tests.polling import wait_for  # noqa: F401 (also re-exported to test modules)
 
 MODEL_NAME = "smollm2-135m-instruct"
 NUM_REPLICAS = 2
@@ -40,15 +41,6 @@ RATE_INTERVAL = "30s"
 pytestmark = pytest.mark.timeout(480)
 
 
-def wait_for(predicate, timeout_s: float, interval_s: float = 0.5, message: str = "condition"):
-    deadline = time.monotonic() + timeout_s
-    last = None
-    while time.monotonic() < deadline:
-        last = predicate()
-        if last:
-            return last
-        time.sleep(interval_s)
-    raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {message} (last: {last!r})")
 
 
 @pytest.fixture(scope="module")

@@ -31,6 +31,7 @@ from typing import Any
 import psutil
 
 from loadtest.replica_probe import FACTORY, PROBE_DIR_ENV, read_probes, where
+from tests.polling import wait_for  # noqa: F401 (also re-exported to test modules)
 from tests.serving.conftest import APP_NAME, MODEL_DIR, MODEL_NAME, free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -152,15 +153,6 @@ def served_by(probe_dir: Path, request_ids: list[str], timeout_s: float = 10.0) 
         time.sleep(0.2)
 
 
-def wait_for(predicate, timeout_s: float, interval_s: float = 0.2, message: str = "condition"):
-    deadline = time.monotonic() + timeout_s
-    last = None
-    while time.monotonic() < deadline:
-        last = predicate()
-        if last:
-            return last
-        time.sleep(interval_s)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {message} (last: {last!r})")
 
 
 def cancel_all(generators: list[Any]) -> None:

@@ -11,13 +11,14 @@ import contextlib
 import os
 import socket
 import tempfile
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.polling import wait_for  # noqa: F401 (also re-exported to test modules)
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # before Ray starts: loopback only
 # fault injection (tests/serving/faults.py): replicas inherit this environment from the driver
@@ -129,16 +130,6 @@ def replica_stats(deployment: str = "LLMServer", timeout_s: float = 10.0) -> dic
     return {name: ray.get(ref, timeout=timeout_s) for name, ref in refs.items()}
 
 
-def wait_for(predicate, timeout_s: float, interval_s: float = 0.2, message: str = "condition"):
-    """Poll `predicate` until it returns a truthy value (returned) or fail after `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    last = None
-    while time.monotonic() < deadline:
-        last = predicate()
-        if last:
-            return last
-        time.sleep(interval_s)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {message} (last: {last!r})")
 
 
 def wait_until_idle(num_replicas: int, timeout_s: float = 20.0) -> dict[str, dict[str, Any]]:
