@@ -38,6 +38,7 @@ class ModelRunner:
         t0 = time.monotonic()
         self.model = load_model(model_config.model, hf_config, self.dtype, model_config.device)
         self.args = self.model.args
+        self.packed_weights = self.model.pack_linear_weights()
         per_block = kv_cache_bytes_per_block(self.args, self.block_size, self.dtype)
         self.num_blocks = cache_config.num_blocks or int(cache_config.kv_cache_memory_gib * 2**30 // per_block)
         if self.num_blocks < 1:
@@ -52,9 +53,10 @@ class ModelRunner:
         self.decode_kernel = cpu_kernels.paged_decode_kernel() if use_kernel else None
         self.generator = torch.Generator(device=self.device).manual_seed(model_config.seed)
         logger.info(
-            "model loaded in %.1fs: %d layers, KV cache %d blocks x %d tokens (%.0f MiB), decode kernel: %s",
+            "model loaded in %.1fs: %d layers, KV cache %d blocks x %d tokens (%.0f MiB), decode kernel: %s, weights: %s",
             time.monotonic() - t0, self.args.num_layers, self.num_blocks, self.block_size,
             self.kv_cache_bytes / 2**20, "C++" if self.decode_kernel else "torch",
+            "oneDNN packed" if self.packed_weights else "dense",
         )
 
     def _tensor(self, data: list, dtype: torch.dtype = torch.long) -> torch.Tensor:

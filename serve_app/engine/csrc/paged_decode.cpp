@@ -1,0 +1,321 @@
+// CPU paged-attention decode: one query token per request attends over its whole context, read in
+// place from the block-structured cache through its block table.
+//
+//   out, q:        [B, H, D]                     (head_dim contiguous)
+//   k/v_cache:     [num_blocks, block_size, Hkv, D] (contiguous)
+//   block_tables:  [B, max_blocks] int64, context_lens: [B] int32, scale: softmax scale
+//
+// Decode attention is a stream over random KV blocks, so the loop order follows memory: blocks
+// outermost (the next block is prefetched), then the KV heads of a token row, then the G query
+// heads that share each KV head (GQA). Accumulation is fp32 whatever the cache dtype.
+//
+// Two implementations of the same loops:
+// - portable C++ (any head_dim, any x86/ARM CPU);
+// - AVX-512 for head_dim 64 and 128 (the common ones), chosen when the compiler targets it: scores
+//   for 16 tokens at once (one transpose-reduce instead of 16 horizontal sums), bf16 caches read with
+//   the AVX512-BF16 dot-product instruction when available, and K/V rows converted to fp32 once per
+//   block and KV head, not once per query head.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+inline float to_f32(float x) { return x; }
+inline float to_f32(c10::Half x) { return static_cast<float>(x); }
+inline float to_f32(c10::BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+// Shapes and pointers shared by every task of one call.
+template <typename T>
+struct Problem {
+  const T* q;
+  const T* k;
+  const T* v;
+  T* out;
+  const int64_t* block_tables;
+  const int32_t* lens;
+  int64_t H, D, G, Hkv, bs, nb;
+  int64_t q_b, q_h, o_b, o_h;
+  int64_t row;    // elements between consecutive tokens of a block (Hkv * D)
+  int64_t block;  // elements per block
+  float scale;
+
+  const T* block_ptr(const T* cache, int64_t b, int64_t blk) const { return cache + block_tables[b * nb + blk] * block; }
+
+  void prefetch_block(const T* cache, int64_t b, int64_t blk) const {
+    if (blk * bs >= lens[b]) return;
+    const char* p = reinterpret_cast<const char*>(block_ptr(cache, b, blk));
+    const int64_t bytes = block * static_cast<int64_t>(sizeof(T));
+    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off);
+  }
+};
+
+// Per-task scratch, reused across the tasks a thread runs.
+struct Scratch {
+  std::vector<float> q;       // [H * D] fp32 queries (scaled on the portable path)
+  std::vector<float> scores;  // [H * len] scores, then softmax numerators
+  std::vector<float> acc;     // [H * D] output accumulators
+  std::vector<float> rows;    // [16 * D] one block chunk of K or V rows in fp32
+  std::vector<float> inv;     // [H] 1 / softmax denominator
+};
+
+// scores -> softmax numerators in place; inv[h] = 1 / sum
+inline void softmax_rows(float* scores, float* inv, int64_t h0, int64_t h1, int64_t len) {
+  for (int64_t h = h0; h < h1; ++h) {
+    float* sh = scores + h * len;
+    float mx = -FLT_MAX;
+    for (int64_t t = 0; t < len; ++t) mx = std::max(mx, sh[t]);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < len; ++t) {
+      sh[t] = std::exp(sh[t] - mx);
+      sum += sh[t];
+    }
+    inv[h] = 1.f / sum;
+  }
+}
+
+template <typename T>
+void write_out(const Problem<T>& p, const Scratch& s, int64_t b, int64_t h0, int64_t h1) {
+  for (int64_t h = h0; h < h1; ++h) {
+    T* oh = p.out + b * p.o_b + h * p.o_h;
+    for (int64_t d = 0; d < p.D; ++d) oh[d] = static_cast<T>(s.acc[h * p.D + d] * s.inv[h]);
+  }
+}
+
+// ---- portable path -------------------------------------------------------------------------------
+// KV heads [kv0, kv1) of request b
+template <typename T>
+void attend_portable(const Problem<T>& p, Scratch& s, int64_t b, int64_t kv0, int64_t kv1) {
+  const int64_t D = p.D, G = p.G, len = p.lens[b], h0 = kv0 * G, h1 = kv1 * G;
+  for (int64_t h = h0; h < h1; ++h)
+    for (int64_t d = 0; d < D; ++d) s.q[h * D + d] = to_f32(p.q[b * p.q_b + h * p.q_h + d]) * p.scale;
+  for (int64_t start = 0, blk = 0; start < len; start += p.bs, ++blk) {
+    p.prefetch_block(p.k, b, blk + 1);
+    const T* kb = p.block_ptr(p.k, b, blk);
+    for (int64_t i = 0, n = std::min(p.bs, len - start); i < n; ++i)
+      for (int64_t kvh = kv0; kvh < kv1; ++kvh) {
+        const T* kr = kb + i * p.row + kvh * D;
+        for (int64_t h = kvh * G; h < (kvh + 1) * G; ++h) {
+          const float* qh = s.q.data() + h * D;
+          float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+          for (int64_t d = 0; d < D; ++d) dot += qh[d] * to_f32(kr[d]);
+          s.scores[h * len + start + i] = dot;
+        }
+      }
+  }
+  softmax_rows(s.scores.data(), s.inv.data(), h0, h1, len);
+  std::fill(s.acc.begin() + h0 * D, s.acc.begin() + h1 * D, 0.f);
+  for (int64_t start = 0, blk = 0; start < len; start += p.bs, ++blk) {
+    p.prefetch_block(p.v, b, blk + 1);
+    const T* vb = p.block_ptr(p.v, b, blk);
+    for (int64_t i = 0, n = std::min(p.bs, len - start); i < n; ++i)
+      for (int64_t kvh = kv0; kvh < kv1; ++kvh) {
+        const T* vr = vb + i * p.row + kvh * D;
+        for (int64_t h = kvh * G; h < (kvh + 1) * G; ++h) {
+          const float w = s.scores[h * len + start + i];
+          float* ah = s.acc.data() + h * D;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) ah[d] += w * to_f32(vr[d]);
+        }
+      }
+  }
+  write_out(p, s, b, h0, h1);
+}
+
+// ---- AVX-512 path --------------------------------------------------------------------------------
+#if defined(__AVX512F__)
+inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
+inline __m512 load16(const c10::BFloat16* x) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512 load16(const c10::Half* x) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))); }
+
+// r[i] = sum of the 16 lanes of v[i]: a transpose-add tree (45 instructions for 16 sums).
+inline __m512 hsum16(const __m512* v) {
+  __m512 a[8], c[4], e[2];
+  for (int i = 0; i < 8; ++i)  // pairs: each 128-bit lane holds partial sums of v[2i], v[2i+1]
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // lane j: (sum over lane j of) v[4i..4i+3]
+    const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+    c[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  for (int i = 0; i < 2; ++i)  // halves: lanes (0+1, 2+3) of two groups
+    e[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(e[0], e[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(e[0], e[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+#if defined(__AVX512BF16__)
+constexpr bool kHasBf16Dot = true;
+#else
+constexpr bool kHasBf16Dot = false;
+#endif
+
+// q . k for up to 16 tokens of one chunk (k rows `stride` apart), NV = D / 16 vectors per row
+template <typename T, int NV>
+inline __m512 chunk_scores(const float* qf, const T* qraw, const T* k, int64_t stride, int64_t n) {
+  __m512 part[16];
+  if constexpr (std::is_same_v<T, c10::BFloat16> && kHasBf16Dot) {
+#if defined(__AVX512BF16__)
+    __m512i qv[NV / 2];  // q as bf16 pairs (the scale is applied to the sums)
+    for (int j = 0; j < NV / 2; ++j) qv[j] = _mm512_loadu_si512(qraw + 32 * j);
+    for (int64_t i = 0; i < 16; ++i) {
+      __m512 a = _mm512_setzero_ps();
+      if (i < n)
+        for (int j = 0; j < NV / 2; ++j)
+          a = _mm512_dpbf16_ps(a, (__m512bh)qv[j], (__m512bh)_mm512_loadu_si512(k + i * stride + 32 * j));
+      part[i] = a;
+    }
+#endif
+  } else {
+    __m512 qv[NV];
+    for (int j = 0; j < NV; ++j) qv[j] = _mm512_loadu_ps(qf + 16 * j);
+    for (int64_t i = 0; i < 16; ++i) {
+      __m512 a = _mm512_setzero_ps();
+      if (i < n)
+        for (int j = 0; j < NV; ++j) a = _mm512_fmadd_ps(qv[j], load16(k + i * stride + 16 * j), a);
+      part[i] = a;
+    }
+  }
+  return hsum16(part);
+}
+
+template <typename T, int NV>
+void attend_avx512(const Problem<T>& p, Scratch& s, int64_t b, int64_t kv0, int64_t kv1) {
+  constexpr int64_t D = NV * 16;
+  constexpr bool bf16_dot = std::is_same_v<T, c10::BFloat16> && kHasBf16Dot;
+  const int64_t G = p.G, len = p.lens[b], h0 = kv0 * G, h1 = kv1 * G;
+  // the bf16 dot product takes q unscaled; the fp32 path folds the scale into q
+  const __m512 post_scale = _mm512_set1_ps(bf16_dot ? p.scale : 1.f);
+  for (int64_t h = h0; h < h1; ++h)
+    for (int64_t d = 0; d < D; ++d) s.q[h * D + d] = to_f32(p.q[b * p.q_b + h * p.q_h + d]) * (bf16_dot ? 1.f : p.scale);
+  for (int64_t start = 0, blk = 0; start < len; start += p.bs, ++blk) {
+    p.prefetch_block(p.k, b, blk + 1);
+    const T* kb = p.block_ptr(p.k, b, blk);
+    for (int64_t c = 0; c < std::min(p.bs, len - start); c += 16) {
+      const int64_t n = std::min<int64_t>(16, std::min(p.bs, len - start) - c);
+      const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
+      for (int64_t kvh = kv0; kvh < kv1; ++kvh) {
+        const T* kr = kb + c * p.row + kvh * D;
+        for (int64_t h = kvh * G; h < (kvh + 1) * G; ++h) {
+          const __m512 sc = chunk_scores<T, NV>(s.q.data() + h * D, p.q + b * p.q_b + h * p.q_h, kr, p.row, n);
+          _mm512_mask_storeu_ps(s.scores.data() + h * len + start + c, valid, _mm512_mul_ps(sc, post_scale));
+        }
+      }
+    }
+  }
+  softmax_rows(s.scores.data(), s.inv.data(), h0, h1, len);
+  std::fill(s.acc.begin() + h0 * D, s.acc.begin() + h1 * D, 0.f);
+  for (int64_t start = 0, blk = 0; start < len; start += p.bs, ++blk) {
+    p.prefetch_block(p.v, b, blk + 1);
+    const T* vb = p.block_ptr(p.v, b, blk);
+    for (int64_t c = 0; c < std::min(p.bs, len - start); c += 16) {
+      const int64_t n = std::min<int64_t>(16, std::min(p.bs, len - start) - c);
+      for (int64_t kvh = kv0; kvh < kv1; ++kvh) {
+        const T* vr = vb + c * p.row + kvh * D;
+        for (int64_t i = 0; i < n; ++i)  // fp32 once per row, shared by the G query heads
+          for (int j = 0; j < NV; ++j) _mm512_storeu_ps(s.rows.data() + i * D + 16 * j, load16(vr + i * p.row + 16 * j));
+        for (int64_t h = kvh * G; h < (kvh + 1) * G; ++h) {
+          float* ah = s.acc.data() + h * D;
+          const float* w = s.scores.data() + h * len + start + c;
+          __m512 acc[NV];
+          for (int j = 0; j < NV; ++j) acc[j] = _mm512_loadu_ps(ah + 16 * j);
+          for (int64_t i = 0; i < n; ++i) {
+            const __m512 wi = _mm512_set1_ps(w[i]);
+            for (int j = 0; j < NV; ++j) acc[j] = _mm512_fmadd_ps(wi, _mm512_loadu_ps(s.rows.data() + i * D + 16 * j), acc[j]);
+          }
+          for (int j = 0; j < NV; ++j) _mm512_storeu_ps(ah + 16 * j, acc[j]);
+        }
+      }
+    }
+  }
+  write_out(p, s, b, h0, h1);
+}
+#endif
+
+template <typename T>
+void decode_impl(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                 torch::Tensor block_tables, torch::Tensor context_lens, double scale) {
+  Problem<T> p;
+  p.q = q.data_ptr<T>();
+  p.k = k_cache.data_ptr<T>();
+  p.v = v_cache.data_ptr<T>();
+  p.out = out.data_ptr<T>();
+  p.block_tables = block_tables.data_ptr<int64_t>();
+  p.lens = context_lens.data_ptr<int32_t>();
+  const int64_t B = q.size(0);
+  p.H = q.size(1);
+  p.D = q.size(2);
+  p.bs = k_cache.size(1);
+  p.Hkv = k_cache.size(2);
+  p.G = p.H / p.Hkv;
+  p.nb = block_tables.size(1);
+  p.q_b = q.stride(0);
+  p.q_h = q.stride(1);
+  p.o_b = out.stride(0);
+  p.o_h = out.stride(1);
+  p.row = p.Hkv * p.D;
+  p.block = p.bs * p.row;
+  p.scale = static_cast<float>(scale);
+
+  auto attend = attend_portable<T>;
+#if defined(__AVX512F__)
+  if (p.D == 64) attend = attend_avx512<T, 4>;
+  if (p.D == 128) attend = attend_avx512<T, 8>;
+#endif
+  // A task is one request's KV heads: all of them when requests alone keep every thread busy (each
+  // block is then read front to back once), else one KV head per task.
+  const int64_t heads_per_task = B >= 2 * at::get_num_threads() ? p.Hkv : 1;
+  const int64_t tasks_per_request = p.Hkv / heads_per_task;
+  at::parallel_for(0, B * tasks_per_request, 1, [&](int64_t begin, int64_t end) {
+    Scratch s;
+    s.q.resize(p.H * p.D);
+    s.acc.resize(p.H * p.D);
+    s.rows.resize(16 * p.D);
+    s.inv.resize(p.H);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / tasks_per_request, kv0 = (task % tasks_per_request) * heads_per_task;
+      s.scores.resize(p.H * p.lens[b]);
+      attend(p, s, b, kv0, kv0 + heads_per_task);
+    }
+  });
+}
+
+}  // namespace
+
+void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                  torch::Tensor block_tables, torch::Tensor context_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes(), "q/out must be [B, H, D]");
+  TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1, "head_dim must be contiguous");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(), "q and caches: one dtype");
+  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "num_heads must be a multiple of num_kv_heads");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kLong && block_tables.is_contiguous(), "block_tables: int64");
+  TORCH_CHECK(context_lens.scalar_type() == torch::kInt && context_lens.is_contiguous(), "context_lens: int32");
+  switch (q.scalar_type()) {
+    case at::kFloat: return decode_impl<float>(out, q, k_cache, v_cache, block_tables, context_lens, scale);
+    case at::kBFloat16: return decode_impl<c10::BFloat16>(out, q, k_cache, v_cache, block_tables, context_lens, scale);
+    case at::kHalf: return decode_impl<c10::Half>(out, q, k_cache, v_cache, block_tables, context_lens, scale);
+    default: TORCH_CHECK(false, "paged_decode: float32, bfloat16 or float16 only, got ", q.scalar_type());
+  }
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("paged_decode", &paged_decode, "paged decode attention (CPU)"); }
