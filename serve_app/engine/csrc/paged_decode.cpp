@@ -198,6 +198,55 @@ inline __m512 chunk_scores(const float* qf, const T* qraw, const T* k, int64_t s
   return hsum16(part);
 }
 
+#if defined(__AVX512BF16__)
+// acc[h] += sum_i w[h][i] * v_i for the n (<= 16) rows of one chunk, two tokens per dot-product step:
+// rows i and i+1 interleaved 16 bits at a time pair each v_i[d] with v_{i+1}[d], and the weights are
+// the bf16 pair (w_i, w_{i+1}). The interleave permutes d within each 32-element group; acc keeps
+// that order until unpermute_pairs.
+template <int NV>
+inline void accumulate_pv_bf16(Scratch& s, const c10::BFloat16* v, int64_t stride, int64_t n, int64_t h0,
+                               int64_t h1, int64_t len, int64_t t0) {
+  for (int64_t i = 0; i < n; i += 2) {
+    const bool pair = i + 1 < n;
+    __m512i lo[NV / 2], hi[NV / 2];
+    for (int j = 0; j < NV / 2; ++j) {
+      const __m512i a = _mm512_loadu_si512(v + i * stride + 32 * j);
+      const __m512i b = pair ? _mm512_loadu_si512(v + (i + 1) * stride + 32 * j) : _mm512_setzero_si512();
+      lo[j] = _mm512_unpacklo_epi16(a, b);
+      hi[j] = _mm512_unpackhi_epi16(a, b);
+    }
+    for (int64_t h = h0; h < h1; ++h) {
+      const float* w = s.scores.data() + h * len + t0;
+      const uint32_t w0 = c10::BFloat16(w[i]).x, w1 = pair ? c10::BFloat16(w[i + 1]).x : 0;
+      const __m512bh wp = (__m512bh)_mm512_set1_epi32(static_cast<int>(w0 | (w1 << 16)));
+      float* acc = s.acc.data() + h * NV * 16;
+      for (int j = 0; j < NV / 2; ++j) {
+        _mm512_storeu_ps(acc + 32 * j, _mm512_dpbf16_ps(_mm512_loadu_ps(acc + 32 * j), (__m512bh)lo[j], wp));
+        _mm512_storeu_ps(acc + 32 * j + 16, _mm512_dpbf16_ps(_mm512_loadu_ps(acc + 32 * j + 16), (__m512bh)hi[j], wp));
+      }
+    }
+  }
+}
+
+// Undo accumulate_pv_bf16's order: in group j, lane 4L+k of the low half holds d = 32j + 8L + k and
+// of the high half d = 32j + 8L + 4 + k.
+template <int NV>
+inline void unpermute_pairs(float* acc, float* tmp) {
+  for (int j = 0; j < NV / 2; ++j)
+    for (int L = 0; L < 4; ++L)
+      for (int k = 0; k < 4; ++k) {
+        tmp[32 * j + 8 * L + k] = acc[32 * j + 4 * L + k];
+        tmp[32 * j + 8 * L + 4 + k] = acc[32 * j + 16 + 4 * L + k];
+      }
+  std::memcpy(acc, tmp, NV * 16 * sizeof(float));
+}
+#else
+template <int NV>
+inline void accumulate_pv_bf16(Scratch&, const c10::BFloat16*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t) {}
+template <int NV>
+inline void unpermute_pairs(float*, float*) {}
+#endif
+
 template <typename T, int NV>
 void attend_avx512(const Problem<T>& p, Scratch& s, int64_t b, int64_t kv0, int64_t kv1) {
   constexpr int64_t D = NV * 16;
@@ -231,6 +280,10 @@ void attend_avx512(const Problem<T>& p, Scratch& s, int64_t b, int64_t kv0, int6
       const int64_t n = std::min<int64_t>(16, std::min(p.bs, len - start) - c);
       for (int64_t kvh = kv0; kvh < kv1; ++kvh) {
         const T* vr = vb + c * p.row + kvh * D;
+        if constexpr (bf16_dot) {
+          accumulate_pv_bf16<NV>(s, vr, p.row, n, kvh * G, (kvh + 1) * G, len, start + c);
+          continue;
+        }
         for (int64_t i = 0; i < n; ++i)  // fp32 once per row, shared by the G query heads
           for (int j = 0; j < NV; ++j) _mm512_storeu_ps(s.rows.data() + i * D + 16 * j, load16(vr + i * p.row + 16 * j));
         for (int64_t h = kvh * G; h < (kvh + 1) * G; ++h) {
@@ -247,6 +300,8 @@ void attend_avx512(const Problem<T>& p, Scratch& s, int64_t b, int64_t kv0, int6
       }
     }
   }
+  if constexpr (bf16_dot)
+    for (int64_t h = h0; h < h1; ++h) unpermute_pairs<NV>(s.acc.data() + h * D, s.rows.data());
   write_out(p, s, b, h0, h1);
 }
 #endif
