@@ -105,7 +105,7 @@ class LLMServer:
 
     async def __init__(self, config: ServeConfig) -> None:
         self.config = config
-        if config.engine_kwargs.get("device", "cpu") == "cpu":
+        if config.device == "cpu":
             threads = configure_torch_threads(config.torch_num_threads)
         else:
             threads = 0
