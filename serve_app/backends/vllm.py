@@ -55,6 +55,7 @@ class VLLMBackend(Backend):
         self._max_model_len = 0
         self._dead_errors: tuple[type[BaseException], ...] = (BackendDeadError,)
         self._tokens_input: Any = None
+        self._active: set[str] = set()  # request ids whose streams are open
         self._closed = False
 
     @property
@@ -123,6 +124,7 @@ class VLLMBackend(Backend):
         num_tokens = 0
         finished = False
         stream = engine.generate(self._tokens_input(prompt_ids), params, request.request_id)
+        self._active.add(request.request_id)
         try:
             async for out in stream:
                 completion = out.outputs[0]
@@ -147,6 +149,7 @@ class VLLMBackend(Backend):
         except self._dead_errors as exc:
             raise BackendDeadError(f"vLLM engine died: {exc}") from exc
         finally:
+            self._active.discard(request.request_id)
             if not finished:  # left early: closing vLLM's stream aborts the request in the engine core
                 await stream.aclose()
                 self.stats.record_aborted(RequestMetrics(
@@ -155,8 +158,10 @@ class VLLMBackend(Backend):
 
     async def abort(self, request_id: str) -> None:
         """Abort in vLLM, then wait for the engine core's next stats message (it frees the request's
-        blocks before making it), at most `ABORT_WAIT_S`."""
+        blocks before making it), at most `ABORT_WAIT_S`. Unknown or finished ids: no-op."""
         engine = self.engine
+        if request_id not in self._active:
+            return
         seen = self.stats.num_updates
         await engine.abort(request_id)
         deadline = time.monotonic() + ABORT_WAIT_S

@@ -148,7 +148,10 @@ def test_streams_deltas_routing_stats_and_aborts(loop, engine):
         assert outs[-1].finished and outs[-1].finish_reason == FinishReason.ABORT
         assert sum(len(o.token_ids) for o in outs) < 500
         assert backend.routing_stats() == idle  # abort() returned after the engine reported the freed blocks
-        await backend.abort("no-such-request")  # no-op
+        started = time.monotonic()
+        await backend.abort("no-such-request")  # no-op, at once
+        await backend.abort("aborted")  # already finished: no-op too
+        assert time.monotonic() - started < 1.0
 
         # cancellation (a disconnecting caller's task) aborts too
         task = asyncio.ensure_future(collect(backend.generate(GenerateRequest("cancelled", prompt="Hello",
