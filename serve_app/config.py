@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
+    from serve_app.backends.vllm_options import VLLMOptions
     from serve_app.serving.autoscaling import AutoscalingSettings
 
 BatchingPolicy = Literal["continuous", "dynamic", "static"]
@@ -122,7 +123,7 @@ class EngineConfig:
         return cls(ModelConfig(**parts[ModelConfig]), CacheConfig(**parts[CacheConfig]), SchedulerConfig(**parts[SchedulerConfig]))
 
 
-BACKENDS = ("native",)
+BACKENDS = ("native", "vllm")
 
 
 @dataclass(frozen=True)
@@ -132,7 +133,9 @@ class ServeConfig:
     Built once on the driver from a Serve YAML's `args` (`from_dict`), validated here, then handed to
     every replica as is. Engine options live in `engine` (flat `EngineConfig.from_kwargs` names such
     as `dtype`, `device`, `max_num_seqs`, `kv_cache_memory_gib`), stored as sorted (name, value) pairs
-    so the config stays frozen and picklable.
+    so the config stays frozen and picklable. `backend` picks the engine: `native` (this repository's;
+    `engine` holds `EngineConfig` names) or `vllm` (vLLM's V1 async engine; `engine` holds
+    `backends.vllm_options.VLLMOptions` names, validated here without importing vllm).
 
     Capacity: each LLMServer replica holds at most `max_ongoing_requests` requests (they all enter
     its engine, whose scheduler runs `max_num_seqs` of them at once); beyond that each caller queues
@@ -200,7 +203,7 @@ class ServeConfig:
         object.__setattr__(self, "autoscaling", tuple(sorted((str(k), v) for k, v in autoscaling)))
         _require(bool(self.model), "model", "a model directory is required")
         _require(self.backend in BACKENDS, "backend", f"must be one of {BACKENDS}, got {self.backend!r}")
-        self.engine_config()  # validates the engine options (names and values)
+        self.backend_options()  # validates the engine options (names and values) for the backend
         for name in ("num_replicas", "ingress_num_replicas", "max_ongoing_requests", "ingress_max_ongoing_requests", "max_n"):
             _require(isinstance(getattr(self, name), int) and getattr(self, name) >= 1, name, "must be an integer >= 1")
         for name in ("max_queued_requests", "ingress_max_queued_requests"):
@@ -257,7 +260,29 @@ class ServeConfig:
         return dict(self.engine)
 
     def engine_config(self) -> EngineConfig:
+        """The native engine's config (`backend: native`)."""
+        _require(self.backend == "native", "backend", f"engine_config() is the native engine's; this is {self.backend!r}")
         return EngineConfig.from_kwargs(self.model, **self.engine_kwargs)
+
+    def vllm_options(self) -> VLLMOptions:
+        """The vLLM engine's options (`backend: vllm`)."""
+        from serve_app.backends.vllm_options import VLLMOptions  # noqa: F811 - no vllm import
+
+        _require(self.backend == "vllm", "backend", f"vllm_options() is the vLLM backend's; this is {self.backend!r}")
+        return VLLMOptions.from_kwargs(**self.engine_kwargs)
+
+    def backend_options(self) -> EngineConfig | VLLMOptions:
+        return self.vllm_options() if self.backend == "vllm" else self.engine_config()
+
+    @property
+    def device(self) -> str:
+        """Where the engine runs: "cpu" or "cuda[:N]" (either backend)."""
+        return self.vllm_options().device if self.backend == "vllm" else self.engine_config().model.device
+
+    @property
+    def kv_block_size(self) -> int:
+        """Tokens per KV-cache block in the engine (routers estimate a request's blocks with it)."""
+        return self.vllm_options().effective_block_size if self.backend == "vllm" else self.engine_config().cache.block_size
 
     def autoscaling_settings(self) -> AutoscalingSettings | None:
         """The LLMServer autoscaling settings, None for a fixed `num_replicas`."""

@@ -1,4 +1,8 @@
-"""Inference backends behind one interface (`Backend`); `make_backend` picks one by name."""
+"""Inference backends behind one interface (`Backend`); `make_backend` picks one by name.
+
+`native`: this repository's engine (backends/native.py). `vllm`: vLLM's V1 async engine
+(backends/vllm.py; needs `make install-vllm`). Neither engine is imported until its backend starts.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +19,10 @@ def make_backend(config: ServeConfig, stat_loggers: Sequence[Any] = ()) -> Backe
         from serve_app.backends.native import NativeBackend
 
         return NativeBackend(config.engine_config(), config.model_name, stat_loggers)
+    if config.backend == "vllm":
+        from serve_app.backends.vllm import VLLMBackend  # imports vllm only in start()
+
+        return VLLMBackend(config.model, config.vllm_options(), config.model_name, stat_loggers)
     raise ValueError(f"backend: unknown backend {config.backend!r}")
 
 

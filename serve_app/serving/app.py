@@ -47,7 +47,7 @@ def request_router_config(config: ServeConfig) -> RequestRouterConfig:
     router_class = config.request_router_class or ROUTER_CLASSES[config.router]
     kwargs: dict[str, Any] = {}
     if router_class.replace(":", ".") == ROUTER_CLASSES["kv_aware"].replace(":", "."):
-        kwargs = {"model_name": config.model_name, "block_size": config.engine_config().cache.block_size,
+        kwargs = {"model_name": config.model_name, "block_size": config.kv_block_size,
                   "stats_period_s": config.request_routing_stats_period_s, **dict(config.router_kwargs)}
     elif router_class.replace(":", ".") == ROUTER_CLASSES["round_robin"].replace(":", "."):
         kwargs = {"model_name": config.model_name}

@@ -105,13 +105,14 @@ class LLMServer:
 
     async def __init__(self, config: ServeConfig) -> None:
         self.config = config
-        if config.engine_kwargs.get("device", "cpu") == "cpu":
+        if config.device == "cpu":
             threads = configure_torch_threads(config.torch_num_threads)
         else:
             threads = 0
         # engine metrics on Ray's metrics port (ray_llm_*, names in serve_app.metrics.names), plus any extras
         stat_loggers = [RayStatLogger(config.model_name)]
         stat_loggers += [import_attr(path)(config) for path in config.stat_logger_factories]
+        self._stat_loggers = stat_loggers
         self.backend: Backend = make_backend(config, stat_loggers)
         await self.backend.start()
         self._info = self.backend.model_info()
@@ -157,3 +158,8 @@ class LLMServer:
         backend = getattr(self, "backend", None)
         if backend is not None:
             backend.shutdown()
+        # stop re-publishing gauges: a replica class used in-process (tests) would otherwise keep
+        # exporting them from the driver into whatever Ray instance that process joins next
+        for stat_logger in getattr(self, "_stat_loggers", ()):
+            if hasattr(stat_logger, "close"):
+                stat_logger.close()

@@ -91,7 +91,7 @@ def test_router_class_paths_resolve(name):
 def test_gpu_configs_autoscale_one_gpu_per_replica(label):
     for application in CONFIGS[label]["applications"]:
         config = ServeConfig.from_dict(local_args(application["args"]))
-        if config.engine_config().model.device != "cuda":
+        if config.device != "cuda":
             continue
         scaling = config.autoscaling_settings()
         assert config.num_gpus_per_replica == 1, label

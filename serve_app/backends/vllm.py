@@ -1,0 +1,194 @@
+"""The vLLM backend: vLLM's V1 async engine (`vllm.v1.engine.async_llm.AsyncLLM`) behind `Backend`.
+
+`vllm` is imported in `start()`, inside the replica: importing this module (and the serving layer
+above it) never needs vllm, and the native backend never touches it.
+
+Behaviour matches the native backend (`backends/native.py`), so the API, router, metrics and
+dashboards do not care which one serves:
+- Prompts are tokenized here with the model's own tokenizer and chat template, by the same
+  `InputProcessor` the native engine uses (same ids for the same request on both backends, same
+  "prompt: ..." / "messages: ..." ValueErrors, raised on the first iteration before anything is
+  queued); vLLM receives token ids.
+- `generate` streams deltas (`RequestOutputKind.DELTA`); leaving it early (`aclose()`, task
+  cancellation) closes vLLM's stream, which aborts the request in the engine core and frees its KV
+  blocks. `abort(request_id)` ends a running stream with an `abort` finish.
+- Routing stats and our metric names come from vLLM's stat-logger hook (`backends/vllm_stats.py`);
+  aborted requests, which vLLM leaves out of its stats, are recorded here.
+- `check_health` raises `BackendDeadError` once vLLM's engine core has died.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+from serve_app.backends.base import Backend, BackendDeadError, ModelInfo, RoutingStats
+from serve_app.backends.vllm_options import VLLMOptions
+from serve_app.backends.vllm_stats import VLLMStatsBridge, finish_reason, make_vllm_stat_logger
+from serve_app.types import FinishReason, GenerateRequest, RequestMetrics, RequestOutput, SamplingParams
+
+if TYPE_CHECKING:
+    from serve_app.engine.input_processor import InputProcessor
+
+logger = logging.getLogger(__name__)
+
+ABORT_WAIT_S = 5.0  # abort() waits at most this long for the engine core's next stats message
+# vLLM reports usage statistics over the network by default; a replica must not
+NO_USAGE_STATS = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+
+
+class VLLMBackend(Backend):
+    """Wraps one `AsyncLLM`. `stat_loggers` are our engine stat loggers (`record`, `record_load`),
+    fed with vLLM's stats mapped onto our types."""
+
+    def __init__(self, model: str, options: VLLMOptions, model_name: str = "", stat_loggers: Sequence[Any] = ()) -> None:
+        self.model = model
+        self.options = options
+        self.model_name = model_name or os.path.basename(os.path.normpath(model))
+        self.stats = VLLMStatsBridge(stat_loggers)
+        self._engine: Any = None
+        self._input: InputProcessor | None = None
+        self._max_model_len = 0
+        self._dead_errors: tuple[type[BaseException], ...] = (BackendDeadError,)
+        self._tokens_input: Any = None
+        self._active: set[str] = set()  # request ids whose streams are open
+        self._closed = False
+
+    @property
+    def engine(self) -> Any:
+        """The `AsyncLLM` (raises `BackendDeadError` before `start` and after `shutdown`)."""
+        if self._engine is None:
+            raise BackendDeadError("backend shut down" if self._closed else "backend not started")
+        return self._engine
+
+    async def start(self) -> None:
+        if self._engine is not None:
+            return
+        os.environ.update({**NO_USAGE_STATS, **self.options.environment()})
+        if os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+            logger.warning("VLLM_CPU_KVCACHE_SPACE=%s overrides kv_cache_memory_gib", os.environ["VLLM_CPU_KVCACHE_SPACE"])
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.inputs import tokens_input
+        from vllm.v1.engine.async_llm import AsyncLLM
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        from serve_app.engine.input_processor import InputProcessor
+
+        self._dead_errors = (BackendDeadError, EngineDeadError)
+        self._tokens_input = tokens_input
+        started = time.monotonic()
+        args = AsyncEngineArgs(**self.options.async_engine_args(self.model, self.model_name))
+        self._engine = AsyncLLM.from_engine_args(args, stat_loggers=[make_vllm_stat_logger(self.stats)])
+        vllm_config = self._engine.vllm_config
+        # vLLM's usage ratio excludes its one null block: used / (num_gpu_blocks - 1)
+        self.stats.set_num_total_blocks(max(int(vllm_config.cache_config.num_gpu_blocks or 1) - 1, 0))
+        self._max_model_len = int(vllm_config.model_config.max_model_len)
+        eos = self._engine.get_tokenizer().eos_token_id
+        self._input = InputProcessor(self.model, vllm_config.model_config.get_vocab_size(), self._max_model_len, eos)
+        logger.info(
+            "vLLM engine ready in %.0f s: model %s, %s on %s, context %d tokens, %d KV blocks of %d tokens, eager %s",
+            time.monotonic() - started, self.model_name, self.options.dtype, self.options.device, self._max_model_len,
+            self.stats.num_total_blocks, vllm_config.cache_config.block_size, self.options.enforce_eager,
+        )
+
+    # ---- requests --------------------------------------------------------------------------------
+    def _sampling_params(self, params: SamplingParams) -> Any:
+        from vllm import SamplingParams as VSamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        return VSamplingParams(
+            max_tokens=params.max_tokens,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k,
+            seed=params.seed,
+            stop=list(params.stop),
+            stop_token_ids=list(params.stop_token_ids),
+            ignore_eos=params.ignore_eos,
+            skip_special_tokens=params.skip_special_tokens,
+            output_kind=RequestOutputKind.DELTA,
+        )
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        engine = self.engine
+        self.check_health()
+        assert self._input is not None
+        prompt_ids = self._input.process(request).prompt_token_ids  # ValueError ("prompt: ...") before queuing
+        params = self._sampling_params(request.sampling_params)
+        arrival = request.arrival_time
+        first_token_time: float | None = None
+        num_tokens = 0
+        finished = False
+        stream = engine.generate(self._tokens_input(prompt_ids), params, request.request_id)
+        self._active.add(request.request_id)
+        try:
+            async for out in stream:
+                completion = out.outputs[0]
+                now = time.monotonic()
+                if completion.token_ids and first_token_time is None:
+                    first_token_time = now
+                num_tokens += len(completion.token_ids)
+                reason = finish_reason(completion.finish_reason) if out.finished else None
+                metrics = RequestMetrics(arrival_time=arrival, first_token_time=first_token_time,
+                                         finished_time=now if out.finished else None,
+                                         num_prompt_tokens=len(prompt_ids), num_generation_tokens=num_tokens)
+                finished = out.finished
+                if reason == FinishReason.ABORT:
+                    self.stats.record_aborted(metrics)
+                yield RequestOutput(
+                    request_id=request.request_id, text=completion.text, token_ids=tuple(completion.token_ids),
+                    finished=out.finished, finish_reason=reason, num_prompt_tokens=len(prompt_ids),
+                    metrics=metrics, prompt_token_ids=tuple(prompt_ids),
+                )
+                if finished:
+                    return
+        except self._dead_errors as exc:
+            raise BackendDeadError(f"vLLM engine died: {exc}") from exc
+        finally:
+            self._active.discard(request.request_id)
+            if not finished:  # left early: closing vLLM's stream aborts the request in the engine core
+                await stream.aclose()
+                self.stats.record_aborted(RequestMetrics(
+                    arrival_time=arrival, first_token_time=first_token_time, finished_time=time.monotonic(),
+                    num_prompt_tokens=len(prompt_ids), num_generation_tokens=num_tokens))
+
+    async def abort(self, request_id: str) -> None:
+        """Abort in vLLM, then wait for the engine core's next stats message (it frees the request's
+        blocks before making it), at most `ABORT_WAIT_S`. Unknown or finished ids: no-op."""
+        engine = self.engine
+        if request_id not in self._active:
+            return
+        seen = self.stats.num_updates
+        await engine.abort(request_id)
+        deadline = time.monotonic() + ABORT_WAIT_S
+        while self.stats.num_updates == seen and time.monotonic() < deadline and not engine.errored:
+            await asyncio.sleep(0.01)
+
+    # ---- state -----------------------------------------------------------------------------------
+    def routing_stats(self) -> RoutingStats:
+        self.engine  # noqa: B018 - raises once shut down
+        load = self.stats.load
+        return RoutingStats(
+            kv_cache_usage=float(load.kv_cache_usage),
+            num_free_blocks=int(load.num_free_blocks),
+            num_total_blocks=int(load.num_total_blocks),
+            num_waiting=int(load.num_waiting),
+            num_running=int(load.num_running),
+        )
+
+    def model_info(self) -> ModelInfo:
+        self.engine  # noqa: B018
+        return ModelInfo(name=self.model_name, max_model_len=self._max_model_len, backend="vllm")
+
+    def check_health(self) -> None:
+        if self.engine.errored:
+            raise BackendDeadError("vLLM engine core is dead")
+
+    def shutdown(self) -> None:
+        engine, self._engine, self._closed = self._engine, None, True
+        if engine is not None:
+            engine.shutdown()

