@@ -1,12 +1,15 @@
-"""CPU paged-attention decode kernel (C++, built once per machine with torch's extension builder).
+"""CPU ops in C++ (csrc/), built once per machine with torch's extension builder.
 
-The reference path (gather the blocks, then `scaled_dot_product_attention`) copies every decode
-request's whole context each layer and runs thousands of tiny attention problems; the kernel
-(csrc/paged_decode.cpp, whose header explains its loops) reads K/V in place from the block tables,
-with the query heads of a GQA group sharing each K/V row it loads. fp32 accumulation.
+- `paged_decode` (csrc/paged_decode.cpp, whose header explains its loops): decode attention read in
+  place from the block tables. The reference path (gather the blocks, then
+  `scaled_dot_product_attention`) copies every decode request's whole context each layer and runs
+  thousands of tiny attention problems. fp32 accumulation.
+- `rms_norm_bf16` (csrc/rms_norm.cpp): one pass per row instead of torch's chain of ops, with HF's
+  rounding.
 
-`paged_decode_kernel()` returns the op, or None (with a warning) when it cannot be built; callers
-then use the reference path. `python -m serve_app.engine.cpu_kernels` builds it ahead of time.
+`paged_decode_kernel()` / `rms_norm_bf16_op()` return the op, or None (with a warning, once) when the
+extension cannot be built; callers then use the torch path. `python -m serve_app.engine.cpu_kernels`
+builds it ahead of time (make install does).
 """
 
 from __future__ import annotations
@@ -16,35 +19,45 @@ import hashlib
 import logging
 import os
 from pathlib import Path
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("csrc") / "paged_decode.cpp"
+_SOURCES = sorted((Path(__file__).with_name("csrc")).glob("*.cpp"))
 
 
 @functools.cache
-def paged_decode_kernel():
-    """Build (or load the cached build of) the kernel; None if that fails."""
+def _extension() -> Any | None:
+    """Build (or load the cached build of) the extension; None if that fails."""
     try:
         from torch.utils.cpp_extension import load
 
-        # the name carries the source's hash: checkouts with different kernels never share a build
-        digest = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:12]
-        module = load(
-            name=f"serve_app_paged_decode_{digest}",
-            sources=[str(_SOURCE)],
+        # the name carries the sources' hash: checkouts with different kernels never share a build
+        digest = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES)).hexdigest()[:12]
+        return load(
+            name=f"serve_app_cpu_ops_{digest}",
+            sources=[str(p) for p in _SOURCES],
             # fast-math for vectorized exp (glibc libmvec); finite-math off to keep inf/nan semantics
             extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only"],
             extra_ldflags=["-fopenmp"],
             verbose=bool(os.environ.get("SERVE_APP_VERBOSE_BUILD")),
         )
-    except Exception as exc:  # no compiler, no ninja, ...: the reference path still works
-        logger.warning("CPU paged-attention kernel unavailable (%s); using the torch reference path", exc)
+    except Exception as exc:  # no compiler, no ninja, ...: the torch paths still work
+        logger.warning("CPU C++ ops unavailable (%s); using the torch reference paths", exc)
         return None
-    return module.paged_decode
+
+
+def paged_decode_kernel():
+    ext = _extension()
+    return None if ext is None else ext.paged_decode
+
+
+def rms_norm_bf16_op():
+    ext = _extension()
+    return None if ext is None else ext.rms_norm_bf16
 
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO)
-    print("[kernel] building the CPU paged-attention kernel (about a minute the first time) ...", flush=True)
-    print("[kernel] ready" if paged_decode_kernel() is not None else "[kernel] unavailable: reference path will be used")
+    print("[kernel] building the CPU C++ ops (about a minute the first time) ...", flush=True)
+    print("[kernel] ready" if _extension() is not None else "[kernel] unavailable: the torch paths will be used")

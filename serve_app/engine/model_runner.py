@@ -39,6 +39,8 @@ class ModelRunner:
         self.model = load_model(model_config.model, hf_config, self.dtype, model_config.device)
         self.args = self.model.args
         self.packed_weights = self.model.pack_linear_weights()
+        if self.packed_weights and model_config.attention_backend == "auto":  # bf16 on CPU
+            self.model.use_rms_norm_op(cpu_kernels.rms_norm_bf16_op())
         per_block = kv_cache_bytes_per_block(self.args, self.block_size, self.dtype)
         self.num_blocks = cache_config.num_blocks or int(cache_config.kv_cache_memory_gib * 2**30 // per_block)
         if self.num_blocks < 1:

@@ -372,5 +372,3 @@ void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, tor
     default: TORCH_CHECK(false, "paged_decode: float32, bfloat16 or float16 only, got ", q.scalar_type());
   }
 }
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("paged_decode", &paged_decode, "paged decode attention (CPU)"); }

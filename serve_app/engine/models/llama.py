@@ -120,6 +120,16 @@ class LlamaForCausalLM(nn.Module):
         self._sin: torch.Tensor | None = None
         self._linear = F.linear
         self._lm_head_packed: torch.Tensor | None = None
+        self._rms_norm_op = None  # (x, weight, eps) -> normed, replacing F.rms_norm (bf16 CPU op)
+
+    def use_rms_norm_op(self, op) -> None:
+        """Normalize with `op(x, weight, eps)` (e.g. the C++ bf16 CPU op) instead of F.rms_norm."""
+        self._rms_norm_op = op
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self._rms_norm_op is not None:
+            return self._rms_norm_op(x, weight, self.args.rms_norm_eps)
+        return F.rms_norm(x, (self.args.hidden_size,), weight, self.args.rms_norm_eps)
 
     def pack_linear_weights(self) -> bool:
         """On CPU in bf16, hand every projection's weight to oneDNN in its packed layout, once.
@@ -169,7 +179,7 @@ class LlamaForCausalLM(nn.Module):
         hidden = F.embedding(input_ids, self.embed)  # [T, hidden]
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             residual = hidden
-            x = F.rms_norm(hidden, (a.hidden_size,), layer.input_norm, a.rms_norm_eps)
+            x = self._norm(hidden, layer.input_norm)
             qkv = self._linear(x, layer.qkv, layer.qkv_bias)  # [T, q + 2 kv]
             # q and k heads rotate together (one set of ops for both)
             qk = self._rope(qkv[:, : q_size + kv_size].view(num_tokens, a.num_heads + a.num_kv_heads, a.head_dim), cos, sin)
@@ -178,14 +188,14 @@ class LlamaForCausalLM(nn.Module):
             attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)  # [T, H, D]
             hidden = residual + self._linear(attn.view(num_tokens, q_size), layer.o)
             residual = hidden
-            x = F.rms_norm(hidden, (a.hidden_size,), layer.post_norm, a.rms_norm_eps)
+            x = self._norm(hidden, layer.post_norm)
             gate, up = self._linear(x, layer.gate_up).chunk(2, dim=-1)
             hidden = residual + self._linear(F.silu(gate) * up, layer.down)
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[S, hidden] → fp32 logits [S, vocab]."""
-        x = F.rms_norm(hidden, (self.args.hidden_size,), self.norm, self.args.rms_norm_eps)
+        x = self._norm(hidden, self.norm)
         if self._lm_head_packed is not None:
             return _packed_linear(x, self._lm_head_packed).float()
         return F.linear(x, self.embed if self.lm_head is None else self.lm_head).float()

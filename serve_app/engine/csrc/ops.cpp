@@ -1,0 +1,11 @@
+// Python bindings of the CPU ops in this directory (one extension module).
+#include <torch/extension.h>
+
+void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                  torch::Tensor block_tables, torch::Tensor context_lens, double scale);
+torch::Tensor rms_norm_bf16(torch::Tensor x, torch::Tensor weight, double eps);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode", &paged_decode, "paged decode attention (CPU)");
+  m.def("rms_norm_bf16", &rms_norm_bf16, "RMSNorm, bf16 in and out, HF's rounding (CPU)");
+}
