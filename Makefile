@@ -154,7 +154,7 @@ loadtest: install
 	  LOADTEST_ARGS="$(LOADTEST_ARGS)" loadtest/run_loadtest.sh
 
 # W2 (DESIGN §7): one seeded Poisson trace replayed in-process under static, dynamic and continuous
-# batching → reports/batching.{json,md} + PNGs (7.5 min measured on 2 cores at load average 12-15;
+# batching → reports/batching.{json,md} + PNGs (≈ 100 s on 2 quiet cores;
 # BENCH_BATCHING_ARGS=--quick: 16 requests, ≈ 1.5 min, into build/bench-batching-quick/).
 BENCH_BATCHING_ARGS ?=
 bench-batching: install model
