@@ -22,6 +22,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from serve_app.types import GenerateRequest, RequestOutput
 
@@ -38,6 +39,17 @@ class RoutingStats:
 
     def as_dict(self) -> dict[str, float | int]:
         return asdict(self)
+
+    @classmethod
+    def from_load(cls, load: Any) -> RoutingStats:
+        """From an `EngineLoad`-like snapshot (serve_app/metrics/stats.py), whichever engine made it."""
+        return cls(
+            kv_cache_usage=float(load.kv_cache_usage),
+            num_free_blocks=int(load.num_free_blocks),
+            num_total_blocks=int(load.num_total_blocks),
+            num_waiting=int(load.num_waiting),
+            num_running=int(load.num_running),
+        )
 
 
 @dataclass(frozen=True)

@@ -70,13 +70,7 @@ class NativeBackend(Backend):
 
     def routing_stats(self) -> RoutingStats:
         load = self.engine.load()
-        return RoutingStats(
-            kv_cache_usage=float(load.kv_cache_usage),
-            num_free_blocks=int(load.num_free_blocks),
-            num_total_blocks=int(load.num_total_blocks),
-            num_waiting=int(load.num_waiting),
-            num_running=int(load.num_running),
-        )
+        return RoutingStats.from_load(load)
 
     def model_info(self) -> ModelInfo:
         return ModelInfo(name=self.model_name, max_model_len=self.engine.max_model_len, backend="native")

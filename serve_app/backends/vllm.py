@@ -172,13 +172,7 @@ class VLLMBackend(Backend):
     def routing_stats(self) -> RoutingStats:
         self.engine  # noqa: B018 - raises once shut down
         load = self.stats.load
-        return RoutingStats(
-            kv_cache_usage=float(load.kv_cache_usage),
-            num_free_blocks=int(load.num_free_blocks),
-            num_total_blocks=int(load.num_total_blocks),
-            num_waiting=int(load.num_waiting),
-            num_running=int(load.num_running),
-        )
+        return RoutingStats.from_load(load)
 
     def model_info(self) -> ModelInfo:
         self.engine  # noqa: B018
