@@ -39,7 +39,8 @@ class ModelRunner:
         self.model = load_model(model_config.model, hf_config, self.dtype, model_config.device)
         self.args = self.model.args
         self.packed_weights = self.model.pack_linear_weights()
-        if self.packed_weights and model_config.attention_backend == "auto":  # bf16 on CPU
+        use_cpu_ops = self.device.type == "cpu" and model_config.attention_backend == "auto"
+        if use_cpu_ops and self.dtype == torch.bfloat16:
             self.model.use_rms_norm_op(cpu_kernels.rms_norm_bf16_op())
         per_block = kv_cache_bytes_per_block(self.args, self.block_size, self.dtype)
         self.num_blocks = cache_config.num_blocks or int(cache_config.kv_cache_memory_gib * 2**30 // per_block)
@@ -51,8 +52,7 @@ class ModelRunner:
             for _ in range(self.args.num_layers)
         ]
         self.kv_cache_bytes = per_block * self.num_blocks
-        use_kernel = self.device.type == "cpu" and model_config.attention_backend == "auto"
-        self.decode_kernel = cpu_kernels.paged_decode_kernel() if use_kernel else None
+        self.decode_kernel = cpu_kernels.paged_decode_kernel() if use_cpu_ops else None
         self.generator = torch.Generator(device=self.device).manual_seed(model_config.seed)
         logger.info(
             "model loaded in %.1fs: %d layers, KV cache %d blocks x %d tokens (%.0f MiB), decode kernel: %s, weights: %s",
