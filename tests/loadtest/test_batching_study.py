@@ -11,7 +11,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "loadtest"))
 
-from batching_report import decode_step_cost, write_reports  # noqa: E402
+from batching_report import decode_step_cost, step_cost_model, write_reports  # noqa: E402
 from batching_trace import (  # noqa: E402
     DEFAULT_CLASSES,
     RequestResult,
@@ -154,3 +154,27 @@ def test_reports_targets_and_files(tmp_path):
     results["comparison"] = compare({k: v["summary"] for k, v in policies.items()})
     write_reports(results, tmp_path / "out2")
     assert "(target ≥ 2.5x): **not met**" in (tmp_path / "out2" / "batching.md").read_text()
+
+
+def test_step_cost_model_recovers_costs_and_bounds_the_ratio():
+    """Steps timed by a known cost (20 ms + 2 ms per sequence + 0.5 ms per prompt token) give that cost
+    back, and the bound follows from it: static ran 4 decode steps where 2 full ones would do."""
+    def step(decode: int, prefill: int) -> dict:
+        return {"duration_s": 0.020 + 0.002 * decode + 0.0005 * prefill, "num_decode_tokens": decode,
+                "num_prefill_tokens": prefill}
+
+    static = [step(0, 30), step(3, 0), step(1, 0), step(1, 0), step(1, 0)]  # 6 output tokens in 5 steps
+    continuous = [step(0, 30), step(3, 0), step(3, 0)]
+    results = {"workload": {"output_tokens": 6, "prompt_tokens": 30}, "settings": {"max_num_seqs": 3},
+               "policies": {"static": {"steps": static, "summary": {"makespan_s": 0.2}},
+                            "continuous": {"steps": continuous, "summary": {"makespan_s": 0.1}}}}
+    m = step_cost_model(results)
+    assert m["fixed_ms"] == pytest.approx(20.0) and m["per_decode_token_ms"] == pytest.approx(2.0)
+    assert m["per_prompt_token_ms"] == pytest.approx(0.5) and m["r2"] == pytest.approx(1.0)
+    assert m["policies"]["static"]["predicted_busy_s"] == pytest.approx(sum(s["duration_s"] for s in static))
+    ideal = 2 * 0.020 + 6 * 0.002 + 30 * 0.0005  # 2 full decode steps
+    assert m["ideal_continuous"] == {"num_steps": 2, "busy_s": pytest.approx(ideal)}
+    assert m["throughput_bound_vs_static"] == pytest.approx(0.2 / ideal)
+    assert m["fixed_only_bound_vs_static"] == pytest.approx(5 / 2)
+    results["policies"]["continuous"]["steps"] = results["policies"]["static"]["steps"] = [step(1, 0)] * 4
+    assert step_cost_model(results) is None  # one distinct step shape: nothing to fit
