@@ -55,6 +55,7 @@ def app_args(router: str, opts: argparse.Namespace) -> dict[str, Any]:
         "request_routing_stats_period_s": 0.2, "health_check_period_s": 2.0, "router": router, "api_key_env": "",
         "stat_logger_factories": [FACTORY],
         "engine": {"dtype": "bfloat16", "num_blocks": opts.num_blocks, "max_num_seqs": 16},
+        **({"router_kwargs": dict(opts.kv_router_kwargs)} if router == "kv_aware" and opts.kv_router_kwargs else {}),
     }
 
 
@@ -100,6 +101,21 @@ def replica_deltas(before: dict, after: dict, tag: str) -> tuple[int, dict[str, 
             counts[kind] = sum(1 for r in mine if r.endswith("-" + kind))
         per_replica[rid] = counts
     return preemptions, per_replica
+
+
+def router_decisions(handle: Any) -> dict[str, int]:
+    """The KV-aware router's decisions so far by mode ("kv" / "fallback": stale or missing stats), read
+    from the router instance inside this process's handle (Ray-private attributes: {} if they move)."""
+    try:
+        router = handle._router._asyncio_router.request_router
+        return dict(getattr(router, "num_decisions", {}))
+    except AttributeError:
+        return {}
+
+
+def replica_of_requests(snapshot: dict[str, dict[str, Any]], tag: str) -> dict[str, str]:
+    """Engine request id → the replica that ran it (the last one, if it ran on more than one)."""
+    return {r: rid for rid, state in snapshot.items() for r in state["request_ids"] if r.startswith(tag + "-")}
 
 
 # ---- load -----------------------------------------------------------------------------------------------
@@ -177,6 +193,53 @@ async def calibrate(handle: Any, mix: Mix, seconds: float, concurrency: int, see
     return measured / (seconds * 3 / 4)
 
 
+# ---- one trace -----------------------------------------------------------------------------------------
+def run_trace(handle: Any, router: str, name: str, traces: list[list[TraceRequest]], opts: argparse.Namespace,
+              probe_dir: Path, replica_ids: set[str], loop: asyncio.AbstractEventLoop) -> dict[str, Any]:
+    """Replay one trace per seed, one after another (idle in between); the summary pools every seed's
+    requests (percentiles over all of them), and `per_seed` keeps each replay's own summary."""
+    pooled: list[RequestResult] = []
+    requests: list[dict[str, Any]] = []
+    per_seed: list[dict[str, Any]] = []
+    wall = 0.0
+    preemptions = 0
+    per_replica: dict[str, dict[str, int]] = {}
+    decisions: dict[str, int] = {}
+    for seed, trace in zip(opts.seeds, traces, strict=True):
+        wait_idle()
+        tag = f"{router}-{name}-s{seed}"
+        before = probe_snapshot(probe_dir, replica_ids)
+        decisions_before = router_decisions(handle)
+        results, seed_wall = loop.run_until_complete(replay(handle, trace, tag, opts.drain_s))
+        time.sleep(1.0)  # the probes' last writes
+        after = probe_snapshot(probe_dir, replica_ids)
+        seed_preemptions, seed_replicas = replica_deltas(before, after, tag)
+        seed_decisions = {mode: n - decisions_before.get(mode, 0) for mode, n in router_decisions(handle).items()}
+        summary = summarize_run(results, seed_wall, seed_preemptions, seed_replicas)
+        per_seed.append({"seed": seed, "router_decisions": seed_decisions,
+                         **{k: summary[k] for k in ("num_requests", "num_errors", "ttft_p50_s", "ttft_p99_s", "e2e_p99_s",
+                                                    "output_tok_s", "preemptions")}})
+        served_by = replica_of_requests(after, tag)
+        requests += [{**r.as_dict(), "seed": seed, "replica": served_by.get(f"{tag}-{r.index}-{r.kind}")} for r in results]
+        pooled += results
+        wall += seed_wall
+        preemptions += seed_preemptions
+        for rid, counts in seed_replicas.items():
+            total = per_replica.setdefault(rid, {})
+            for key, n in counts.items():
+                total[key] = total.get(key, 0) + n
+        for mode, n in seed_decisions.items():
+            decisions[mode] = decisions.get(mode, 0) + n
+        print(f"[bench-routing] {router} {name} seed {seed}: {len(trace)} requests, TTFT p50 {summary['ttft_p50_s']:.3f} s "
+              f"p99 {summary['ttft_p99_s']:.3f} s, e2e p99 {summary['e2e_p99_s']:.2f} s, {summary['output_tok_s']:.0f} out tok/s, "
+              f"{seed_preemptions} preemptions, errors {summary['num_errors']}, router decisions {seed_decisions}, "
+              f"per replica {seed_replicas}", flush=True)
+    summary = summarize_run(pooled, wall, preemptions, per_replica)
+    summary.update(per_seed=per_seed, router_decisions=decisions, requests=requests,
+                   ttft_cdf=sorted(r.ttft_s for r in pooled if r.ttft_s is not None))
+    return summary
+
+
 # ---- one router ----------------------------------------------------------------------------------------
 def run_router(router: str, opts: argparse.Namespace, mix: Mix, probe_dir: Path, rate: float | None,
                loop: asyncio.AbstractEventLoop) -> tuple[dict[str, Any], float]:
@@ -194,30 +257,27 @@ def run_router(router: str, opts: argparse.Namespace, mix: Mix, probe_dir: Path,
         warm = make_trace("uniform", mix, rate=10.0, duration_s=0.4, seed=7)
         loop.run_until_complete(replay(handle, warm, f"{router}-warmup", 60.0))
         if rate is None:
-            capacity = loop.run_until_complete(calibrate(handle, mix, opts.calibrate_s, opts.calibrate_concurrency, opts.seed))
+            capacity = loop.run_until_complete(calibrate(handle, mix, opts.calibrate_s, opts.calibrate_concurrency, opts.seeds[0]))
             rate = opts.load * capacity
             out["calibration"] = {"router": router, "capacity_req_s": capacity, "load": opts.load, "rate_req_s": rate,
                                   "seconds": opts.calibrate_s, "concurrency": opts.calibrate_concurrency}
             print(f"[bench-routing] calibration: {capacity:.2f} req/s completed → trace rate {rate:.2f} req/s", flush=True)
         for name in TRACES:
-            wait_idle()
-            trace = make_trace(name, mix, rate, opts.duration, opts.seed)
-            tag = f"{router}-{name}"
-            before = probe_snapshot(probe_dir, replica_ids)
-            results, wall = loop.run_until_complete(replay(handle, trace, tag, opts.drain_s))
-            time.sleep(1.0)  # the probes' last writes
-            preemptions, per_replica = replica_deltas(before, probe_snapshot(probe_dir, replica_ids), tag)
-            summary = summarize_run(results, wall, preemptions, per_replica)
-            summary["rate_req_s"] = rate
-            summary["ttft_cdf"] = sorted(r.ttft_s for r in results if r.ttft_s is not None)
-            out["runs"][name] = summary
-            print(f"[bench-routing] {router} {name}: {len(trace)} requests, TTFT p50 {summary['ttft_p50_s']:.3f} s "
-                  f"p99 {summary['ttft_p99_s']:.3f} s, e2e p99 {summary['e2e_p99_s']:.2f} s, "
-                  f"{summary['output_tok_s']:.0f} out tok/s, {preemptions} preemptions, errors {summary['num_errors']}, "
-                  f"per replica {per_replica}", flush=True)
+            out["runs"][name] = run_trace(handle, router, name, [make_trace(name, mix, rate, opts.duration, seed) for seed in opts.seeds],
+                                          opts, probe_dir, replica_ids, loop)
+            out["runs"][name]["rate_req_s"] = rate
     finally:
         serve.delete(APP)
     return out, rate
+
+
+def compare_runs(routers: dict[str, Any], name: str) -> dict[str, Any]:
+    """KV-aware ÷ pow2 on the pooled requests of every seed, plus the TTFT p99 ratio of each seed's replay."""
+    out = compare({r: v["runs"].get(name, {}) for r, v in routers.items()})
+    seeds = {r: v["runs"].get(name, {}).get("per_seed", []) for r, v in routers.items()}
+    out["ttft_p99_ratio_per_seed"] = [compare({"kv_aware": kv, "pow2": p2})["ttft_p99_ratio"]
+                                      for kv, p2 in zip(seeds.get("kv_aware", []), seeds.get("pow2", []), strict=False)]
+    return out
 
 
 # ---- report -------------------------------------------------------------------------------------------
@@ -237,11 +297,13 @@ def write_report(results: dict[str, Any], out_dir: Path) -> None:
         f"Deployment per router: 2 LLMServer replicas, bf16, {w['num_blocks']} KV blocks × 16 tokens each, max_num_seqs 16, "
         "1 torch thread each, routing stats every 0.2 s; load sent from the benchmark process through a "
         "DeploymentHandle (it runs the deployment's router, as the ingress's handle does), streamed, greedy, ignore_eos.",
-        f"Traces (seed {w['seed']}, Poisson, {w['duration_s']:.0f} s of arrivals at {w['rate_req_s']:.2f} req/s = "
+        f"Traces (one per seed, seeds {', '.join(map(str, w['seeds']))}, replayed in turn; Poisson, {w['duration_s']:.0f} s of "
+        f"arrivals each at {w['rate_req_s']:.2f} req/s = "
         f"{w['load']:.2f} × the calibrated capacity {_f(w.get('capacity_req_s'))} req/s): **skewed** = "
         f"{m['long_fraction']:.0%} long ({m['long_prompt']}-token prompt → {m['long_output']} tokens) among short "
         f"({m['short_prompt']} → {m['short_output']}); **uniform** = every request {m['mean_prompt']} → {m['mean_output']} "
-        "tokens (same token volume). TTFT is measured from each request's scheduled arrival.", "",
+        "tokens (same token volume). TTFT is measured from each request's scheduled arrival. Percentiles pool the "
+        "requests of every seed's replay; the per-seed table shows the spread.", "",
     ]
     for name in TRACES:
         lines += [f"## {name} trace", "",
@@ -255,6 +317,12 @@ def write_report(results: dict[str, Any], out_dir: Path) -> None:
             lines.append(f"| {router} | {run['num_requests']} | {_f(run['ttft_p50_s'], 3)} | {_f(run['ttft_p99_s'], 3)} | "
                          f"{_f(run['e2e_p99_s'])} | {_f(run['output_tok_s'], 0)} | {run['preemptions']} | {split} | "
                          f"{run['num_errors']} |")
+        seeds = w["seeds"]
+        lines += ["", "TTFT p99 (s) of each seed's replay:", "", "| router | " + " | ".join(f"seed {s}" for s in seeds) + " |",
+                  "|---|" + "---|" * len(seeds)]
+        for router, r in results["routers"].items():
+            per_seed = r["runs"].get(name, {}).get("per_seed", [])
+            lines.append(f"| {router} | " + " | ".join(_f(s["ttft_p99_s"], 3) for s in per_seed) + " |")
         if name == "skewed":
             lines += ["", "By request kind (TTFT p50 / p99, s):", "", "| router | short | long |", "|---|---|---|"]
             for router, r in results["routers"].items():
@@ -266,16 +334,21 @@ def write_report(results: dict[str, Any], out_dir: Path) -> None:
     c = results["comparison"]
     sk, un = c.get("skewed", {}), c.get("uniform", {})
     lines += ["## KV-aware ÷ power-of-two (targets from issue 4)", "",
-              "| trace | TTFT p99 | TTFT p50 | e2e p99 | output tok/s | target | met |", "|---|---|---|---|---|---|---|",
-              f"| skewed | {_f(sk.get('ttft_p99_ratio'))} | {_f(sk.get('ttft_p50_ratio'))} | {_f(sk.get('e2e_p99_ratio'))} | "
-              f"{_f(sk.get('output_tok_s_ratio'))} | TTFT p99 ≤ 0.70, tok/s ≥ 1.00 (no loss; ±3% noise allowed) | "
-              f"{_verdict(sk, 0.70, 0.97)} |",
-              f"| uniform | {_f(un.get('ttft_p99_ratio'))} | {_f(un.get('ttft_p50_ratio'))} | {_f(un.get('e2e_p99_ratio'))} | "
-              f"{_f(un.get('output_tok_s_ratio'))} | TTFT p99 ≤ 1.10 | {_verdict(un, 1.10, None)} |", "",
-              "One run, as measured; no re-runs were picked. Raw numbers (every request's TTFT, per-replica counts): "
-              "`routing.json`. Plot: `routing.png`.", ""]
+              "| trace | TTFT p99 (pooled) | TTFT p99 per seed | TTFT p50 | e2e p99 | output tok/s | target | met |",
+              "|---|---|---|---|---|---|---|---|",
+              f"| skewed | {_f(sk.get('ttft_p99_ratio'))} | {_per_seed(sk)} | {_f(sk.get('ttft_p50_ratio'))} | "
+              f"{_f(sk.get('e2e_p99_ratio'))} | {_f(sk.get('output_tok_s_ratio'))} | TTFT p99 ≤ 0.70, tok/s ≥ 1.00 (no loss; "
+              f"±3% noise allowed) | {_verdict(sk, 0.70, 0.97)} |",
+              f"| uniform | {_f(un.get('ttft_p99_ratio'))} | {_per_seed(un)} | {_f(un.get('ttft_p50_ratio'))} | "
+              f"{_f(un.get('e2e_p99_ratio'))} | {_f(un.get('output_tok_s_ratio'))} | TTFT p99 ≤ 1.10 | {_verdict(un, 1.10, None)} |", "",
+              "One run, as measured; no re-runs were picked. Raw numbers (every request's TTFT and replica, per-replica "
+              "counts, the KV-aware router's decisions by mode): `routing.json`. Plot: `routing.png`.", ""]
     (out_dir / "routing.md").write_text("\n".join(lines))
     plot(results, out_dir / "routing.png")
+
+
+def _per_seed(ratios: dict[str, Any]) -> str:
+    return ", ".join(_f(r) for r in ratios.get("ttft_p99_ratio_per_seed", [])) or "–"
 
 
 def _verdict(ratios: dict[str, Any], ttft_max: float, tok_min: float | None) -> str:
@@ -325,6 +398,13 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
 
 # ---- main -----------------------------------------------------------------------------------------------
+def _router_kwarg(text: str) -> tuple[str, Any]:
+    name, sep, value = text.partition("=")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected NAME=VALUE")
+    return name, json.loads(value)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--routers", nargs="+", default=list(ROUTERS), choices=ROUTERS)
@@ -335,12 +415,15 @@ def main() -> None:
     parser.add_argument("--calibrate-concurrency", type=int, default=16)
     parser.add_argument("--num-blocks", type=int, default=96, help="KV blocks per replica (2 long + 8 short requests fill one)")
     parser.add_argument("--drain-s", type=float, default=90.0, help="after the last arrival, wait this long at most")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2],
+                        help="one trace per seed, replayed in turn; results pool all of them, and per-seed ratios show the spread")
+    parser.add_argument("--kv-router-kwargs", nargs="*", default=[], type=_router_kwarg, metavar="NAME=VALUE",
+                        help="KVCacheAwareRouter options (routing_policy.KVRouterSettings), e.g. prefill_weight=0")
     parser.add_argument("--out-dir", default=None)
     parser.add_argument("--quick", action="store_true", help="8 s traces, 12 s calibration (smoke run)")
     opts = parser.parse_args()
     if opts.quick:
-        opts.duration, opts.calibrate_s, opts.drain_s = 8.0, 12.0, 60.0
+        opts.duration, opts.calibrate_s, opts.drain_s, opts.seeds = 8.0, 12.0, 60.0, opts.seeds[:1]
     out_dir = Path(opts.out_dir or (REPO / ("build/bench-routing-quick" if opts.quick else "reports")))
     mix = Mix()
     os.chdir(REPO)  # replicas import loadtest.replica_probe from the driver's working directory
@@ -358,7 +441,7 @@ def main() -> None:
         "git": _git_commit(),
         "loadavg_start": " ".join(f"{x:.2f}" for x in os.getloadavg()),
         "mix": {**Mix().__dict__, "mean_prompt": mix.mean_prompt, "mean_output": mix.mean_output},
-        "workload": {"duration_s": opts.duration, "seed": opts.seed, "load": opts.load, "num_blocks": opts.num_blocks},
+        "workload": {"duration_s": opts.duration, "seeds": opts.seeds, "load": opts.load, "num_blocks": opts.num_blocks},
         "routers": {},
     }
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="bench-routing")
@@ -380,8 +463,7 @@ def main() -> None:
         shutil.rmtree(probe_dir, ignore_errors=True)
     results["loadavg_end"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
     results["duration_s"] = time.monotonic() - started
-    results["comparison"] = {name: compare({r: v["runs"].get(name, {}) for r, v in results["routers"].items()})
-                             for name in TRACES}
+    results["comparison"] = {name: compare_runs(results["routers"], name) for name in TRACES}
     write_report(results, out_dir)
     print(f"[bench-routing] {results['duration_s']:.0f} s; wrote {out_dir / 'routing.md'}")
     print((out_dir / "routing.md").read_text())

@@ -36,6 +36,7 @@ class RoutingStats:
     num_total_blocks: int
     num_waiting: int
     num_running: int
+    num_pending_prompt_tokens: int = 0  # prompt tokens queued for prefill (EngineLoad)
 
     def as_dict(self) -> dict[str, float | int]:
         return asdict(self)
@@ -49,6 +50,7 @@ class RoutingStats:
             num_total_blocks=int(load.num_total_blocks),
             num_waiting=int(load.num_waiting),
             num_running=int(load.num_running),
+            num_pending_prompt_tokens=int(load.num_pending_prompt_tokens),
         )
 
 

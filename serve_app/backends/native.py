@@ -69,8 +69,7 @@ class NativeBackend(Backend):
         await self.engine.abort(request_id)
 
     def routing_stats(self) -> RoutingStats:
-        load = self.engine.load()
-        return RoutingStats.from_load(load)
+        return RoutingStats.from_load(self.engine.load())
 
     def model_info(self) -> ModelInfo:
         return ModelInfo(name=self.model_name, max_model_len=self.engine.max_model_len, backend="native")

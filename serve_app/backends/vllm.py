@@ -20,6 +20,7 @@ dashboards do not care which one serves:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import time
@@ -56,6 +57,9 @@ class VLLMBackend(Backend):
         self._dead_errors: tuple[type[BaseException], ...] = (BackendDeadError,)
         self._tokens_input: Any = None
         self._active: set[str] = set()  # request ids whose streams are open
+        # prompt tokens of open requests with no token yet: the frontend's view of vLLM's queued prefill
+        # work (routing stats; vLLM's own stats do not count it; a preempted request's recompute is missed)
+        self._unread_prompt_tokens: dict[str, int] = {}
         self._closed = False
 
     @property
@@ -125,12 +129,14 @@ class VLLMBackend(Backend):
         finished = False
         stream = engine.generate(self._tokens_input(prompt_ids), params, request.request_id)
         self._active.add(request.request_id)
+        self._unread_prompt_tokens[request.request_id] = len(prompt_ids)
         try:
             async for out in stream:
                 completion = out.outputs[0]
                 now = time.monotonic()
                 if completion.token_ids and first_token_time is None:
                     first_token_time = now
+                    self._unread_prompt_tokens.pop(request.request_id, None)
                 num_tokens += len(completion.token_ids)
                 reason = finish_reason(completion.finish_reason) if out.finished else None
                 metrics = RequestMetrics(arrival_time=arrival, first_token_time=first_token_time,
@@ -150,6 +156,7 @@ class VLLMBackend(Backend):
             raise BackendDeadError(f"vLLM engine died: {exc}") from exc
         finally:
             self._active.discard(request.request_id)
+            self._unread_prompt_tokens.pop(request.request_id, None)
             if not finished:  # left early: closing vLLM's stream aborts the request in the engine core
                 await stream.aclose()
                 self.stats.record_aborted(RequestMetrics(
@@ -171,8 +178,8 @@ class VLLMBackend(Backend):
     # ---- state -----------------------------------------------------------------------------------
     def routing_stats(self) -> RoutingStats:
         self.engine  # noqa: B018 - raises once shut down
-        load = self.stats.load
-        return RoutingStats.from_load(load)
+        stats = RoutingStats.from_load(self.stats.load)
+        return dataclasses.replace(stats, num_pending_prompt_tokens=sum(self._unread_prompt_tokens.values()))
 
     def model_info(self) -> ModelInfo:
         self.engine  # noqa: B018

@@ -16,6 +16,7 @@ Contracts:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
@@ -49,6 +50,10 @@ class AsyncLLMEngine:
         self.engine = LLMEngine(config, stat_loggers)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
+        # prompt tokens of requests in the inbox (sent, not yet in the scheduler: it takes them in
+        # between steps), so that `load()` counts them among the prompt tokens still to be read
+        self._inbox_lock = threading.Lock()
+        self._inbox_prompt_tokens = 0
         self._error: BaseException | None = None
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
@@ -70,6 +75,8 @@ class AsyncLLMEngine:
         engine_request = self.engine.input_processor.process(request)  # raises ValueError on bad input
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request.request_id] = stream
+        with self._inbox_lock:
+            self._inbox_prompt_tokens += engine_request.num_prompt_tokens
         self._inbox.put(("add", request, engine_request))
         finished = False
         try:
@@ -95,7 +102,10 @@ class AsyncLLMEngine:
 
     def load(self) -> EngineLoad:
         """Thread-safe enough for routing: plain counters read without locking."""
-        return self.engine.load()
+        load = self.engine.load()
+        with self._inbox_lock:
+            in_inbox = self._inbox_prompt_tokens
+        return dataclasses.replace(load, num_pending_prompt_tokens=load.num_pending_prompt_tokens + in_inbox)
 
     def check_health(self) -> None:
         if self._error is not None:
@@ -153,6 +163,8 @@ class AsyncLLMEngine:
                     _resolve(arg)
 
     def _add(self, request: GenerateRequest, engine_request: Request) -> None:
+        with self._inbox_lock:
+            self._inbox_prompt_tokens -= engine_request.num_prompt_tokens
         if request.request_id in self._streams:  # else the caller left before the request got here
             self.engine.add_processed(request, engine_request)
 

@@ -85,7 +85,8 @@ class LLMEngine:
 
     def load(self) -> EngineLoad:
         bm, sched = self.core.block_manager, self.core.scheduler
-        return EngineLoad(bm.usage, bm.num_free_blocks, bm.num_blocks, sched.num_running, sched.num_waiting)
+        return EngineLoad(bm.usage, bm.num_free_blocks, bm.num_blocks, sched.num_running, sched.num_waiting,
+                          sched.num_pending_prompt_tokens)
 
     def _log(self, stats: SchedulerStats | None, outputs: Iterable[EngineCoreOutput]) -> None:
         if not self.stat_loggers:

@@ -47,6 +47,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         # static/dynamic: members of the batch in flight; admission is closed to everyone else
         self._batch_ids: set[str] = set()
+        # tokens per request of the step being run (scheduled, not yet through the model): still unread
+        self._in_flight: dict[str, int] = {}
         self._step_preempted = 0
         self._step_prefix_queries = 0
         self._step_prefix_hits = 0
@@ -79,6 +81,19 @@ class Scheduler:
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
+
+    @property
+    def num_pending_prompt_tokens(self) -> int:
+        """Tokens still to be read before each request's next new token, beyond the one a decode step
+        reads: whole prompts of waiting requests, the rest of part-read ones (including the chunk the
+        step being run reads), a preempted request's recompute. Safe to call from another thread while
+        a step runs (the queues are copied first, atomically under the GIL)."""
+        in_flight = self._in_flight
+        total = 0
+        for r in (*tuple(self.waiting), *list(self.running)):
+            read = r.num_computed_tokens - in_flight.get(r.request_id, 0)
+            total += max(0, r.num_tokens - read - (1 if r.num_output_tokens else 0))
+        return total
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -138,6 +153,7 @@ class Scheduler:
                 budget -= num_new
 
         scheduled = tuple(self._to_scheduled(request, num_new) for request, num_new in picked)
+        self._in_flight = {request.request_id: num_new for request, num_new in picked}
         for request, num_new in picked:
             request.num_computed_tokens += num_new
         self._step_preempted += len(preempted)
@@ -187,6 +203,7 @@ class Scheduler:
     def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Append sampled tokens, apply stop conditions, free finished requests."""
         now = self.clock()
+        self._in_flight = {}
         for sched in scheduler_output.scheduled:  # before finishing frees them: full blocks stay reusable
             request = self.requests.get(sched.request_id)
             if request is not None:

@@ -46,3 +46,6 @@ class EngineLoad:
     num_total_blocks: int
     num_running: int
     num_waiting: int
+    # prompt tokens not yet computed (waiting and part-read prompts; a preempted request's recompute):
+    # the prefill work queued ahead of a new request, which on a CPU is most of its time to first token
+    num_pending_prompt_tokens: int = 0

@@ -7,7 +7,8 @@ Called only through a `DeploymentHandle` (from `OpenAIIngress`):
   engine and frees its KV blocks.
 - `model_info()` → `ModelInfo` (served name, context length).
 - Ray Serve calls `record_routing_stats()` every `request_routing_stats_period_s` and hands the dict
-  (`kv_cache_usage`, `num_free_blocks`, `num_total_blocks`, `num_waiting`, `num_running`, `sampled_at`)
+  (`kv_cache_usage`, `num_free_blocks`, `num_total_blocks`, `num_waiting`, `num_running`,
+  `num_pending_prompt_tokens`, `sampled_at`)
   to request routers (`serve_app.serving.router`); and `check_health()` every `health_check_period_s`: it raises once the engine loop died,
   and Serve replaces the replica.
 

@@ -4,7 +4,8 @@
   occupancy: its last published `kv_cache_usage` sample (`LLMServer.record_routing_stats`, every
   `request_routing_stats_period_s`) plus the blocks of the requests this router sent there since
   that sample, so that a burst between two samples spreads instead of herding onto the replica that
-  looked emptiest. Ties go to the shorter waiting queue; replicas without a fresh sample make the
+  looked emptiest; prompt tokens still to be read there (sampled + sent since) weigh in too, since a
+  request queued behind a long prefill waits for it. Ties go to the shorter waiting queue; replicas without a fresh sample make the
   router fall back to least in-flight. The policy itself (settings, estimates, ledger, ranking) lives
   in `routing_policy`; options come from `request_router_kwargs` (`KVRouterSettings`).
 - `RoundRobinRouter`: each request to the next replica in turn (a baseline for benchmarks).
@@ -42,7 +43,9 @@ from serve_app.serving.routing_policy import (
     ReplicaSample,
     ReplicaView,
     estimate_occupancy,
+    estimate_prompt_tokens,
     estimate_request_blocks,
+    estimate_score,
     find_request,
     rank_replicas,
     waiting_demand,
@@ -98,6 +101,13 @@ class KVCacheAwareRouter(FIFOMixin, RequestRouter):
         self.last_ranking: list[ReplicaView] = []
 
     # ---- state for one decision ---------------------------------------------------------------
+    def _size(self, pending_request: PendingRequest) -> tuple[int, int]:
+        """(KV blocks, prompt tokens) of the request (0, 0 for calls that are not a generation)."""
+        request = find_request(pending_request.args, pending_request.kwargs)
+        if request is None:
+            return 0, 0
+        return estimate_request_blocks(request, self.settings), estimate_prompt_tokens(request, self.settings.chars_per_token)
+
     def _sample_time(self, replica_id: str, stats: dict, sample: ReplicaSample, now: float) -> float:
         """When the sample was taken: published `sampled_at`, else when this router first saw it."""
         if sample.sampled_at is not None:
@@ -116,11 +126,14 @@ class KVCacheAwareRouter(FIFOMixin, RequestRouter):
             return ReplicaView(replica_id, None, None, in_flight)
         taken = self._sample_time(replica_id, stats, sample, now)
         cut = taken - self.settings.sample_lag_s
-        blocks, requests = self.ledger.since(replica_id, cut)
+        blocks, requests, prompt_tokens = self.ledger.since(replica_id, cut)
         own_blocks, own_requests = self.ledger.newest_before(replica_id, cut, sample.num_waiting)
         waiting = waiting_demand(sample, own_blocks, own_requests, self._mean_request_blocks)
-        occupancy = estimate_occupancy(sample, blocks, waiting, self.settings)
-        return ReplicaView(replica_id, sample, max(0.0, now - taken), in_flight, blocks, requests, waiting, occupancy)
+        own_final_blocks = self.ledger.since(replica_id, None)[0]
+        occupancy = estimate_occupancy(sample, blocks, waiting, self.settings, own_final_blocks)
+        backlog = sample.num_pending_prompt_tokens + prompt_tokens
+        return ReplicaView(replica_id, sample, max(0.0, now - taken), in_flight, blocks, requests, waiting, occupancy,
+                           backlog, estimate_score(sample, occupancy, backlog, self.settings))
 
     def _stats_age(self, replica_id: ReplicaID, now: float) -> float | None:
         replica = self._replicas.get(replica_id)
@@ -149,17 +162,16 @@ class KVCacheAwareRouter(FIFOMixin, RequestRouter):
         if pending_request is not None:
             # reserve the choice now: routing tasks run concurrently, and Serve confirms it
             # (on_request_routed) only after the replica accepted, a round trip later
-            request = find_request(pending_request.args, pending_request.kwargs)
-            blocks = estimate_request_blocks(request, self.settings) if request is not None else 0
+            blocks, prompt_tokens = self._size(pending_request)
             self.ledger.reserve(pending_request.metadata.internal_request_id, ranked[0].replica_id, blocks, now,
-                                pending=pending_request)
+                                pending=pending_request, prompt_tokens=prompt_tokens)
         return [[by_id[v.replica_id]] for v in ranked]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult) -> None:
         now = self._get_curr_time_s()
-        request = find_request(pending_request.args, pending_request.kwargs)
-        blocks = estimate_request_blocks(request, self.settings) if request is not None else 0
-        entry = self.ledger.confirm(pending_request.metadata.internal_request_id, replica_id.unique_id, blocks, now)
+        blocks, prompt_tokens = self._size(pending_request)
+        entry = self.ledger.confirm(pending_request.metadata.internal_request_id, replica_id.unique_id, blocks, now,
+                                    prompt_tokens)
         if entry.blocks > 0:
             self._num_sized += 1
             self._mean_request_blocks += (entry.blocks - self._mean_request_blocks) / min(self._num_sized, 100)

@@ -5,9 +5,17 @@
 
 Estimated occupancy of a replica (fraction of its KV blocks, may exceed 1 when demand exceeds room):
 
-    (used blocks in its last published sample
-     + waiting_weight × blocks of the sample's waiting requests        # queued demand, not yet in the cache
-     + blocks of the requests this router sent there since that sample) / num_total_blocks
+    max(used blocks in its last published sample
+        + waiting_weight × blocks of the sample's waiting requests     # queued demand, not yet in the cache
+        + blocks of the requests this router sent there since that sample,
+        blocks of all this router's requests in flight there, at their estimated final size)
+    / num_total_blocks
+
+The second term is what the sample cannot show: a request that has just started decoding holds its
+prompt's blocks but will grow to its full size (three long generations that hold 75% of a cache now
+will fill it before they finish, and a request sent there waits for one of them to end). It counts
+only this router's requests, so with several routers (one per ingress replica) the sample-based
+term, which counts everyone's, is the floor.
 
 A request's blocks = ceil((prompt_weight × prompt tokens + output_weight × min(max_tokens,
 max_expected_output_tokens)) / block_size). "Since that sample" means routed after
@@ -21,8 +29,19 @@ estimated size, as a long prompt waiting for room is exactly what must not attra
 requests beyond those (other routers', preempted ones) count as the mean routed request. Finished
 requests leave the ledger.
 
+Estimated prefill backlog of a replica (tokens it must read before a new request's first token):
+
+    prompt tokens not yet computed in its last sample (`num_pending_prompt_tokens`)
+    + prompt tokens of the requests this router sent there since that sample
+
+Score = occupancy + prefill_weight × backlog / (num_total_blocks × block_size). Occupancy alone treats
+a prompt being read and one already read alike, but a request sent behind a long prompt waits for
+that prompt's prefill (on a CPU, most of a second per few hundred tokens) before its own first
+token: the backlog term steers it to a replica that will start it sooner. prefill_weight 0 ranks by
+KV occupancy alone.
+
 Ranking: if every candidate has a sample younger than `max_stats_age_s`, the replicas are ordered by
-estimated occupancy; those within `tie_tolerance` of the best form the first group and are ordered by
+score; those within `tie_tolerance` of the best form the first group and are ordered by
 (waiting requests + requests routed since the sample, in-flight requests). Otherwise (some replica
 has no sample yet or only a stale one) every candidate is ordered by this router's in-flight count
 (least first). Either way the result is a full order, so Serve falls through to the next replica when
@@ -64,6 +83,7 @@ class KVRouterSettings:
     max_expected_output_tokens: int = 1024  # caps max_tokens (chat defaults it to the whole context)
     chars_per_token: float = 4.0  # text prompts are not tokenized by the router
     waiting_weight: float = 1.0  # weight of a replica's waiting queue (× mean request blocks); 0: tie-break only
+    prefill_weight: float = 1.0  # weight of a replica's unread prompt tokens (÷ its cache's tokens); 0: KV only
     tie_tolerance: float = 0.02  # occupancies within this of the best are ties
     max_stats_age_s: float = 0.0  # older samples are stale; 0: max(2 s, 10 × stats_period_s)
     stats_period_s: float = 0.5  # the deployment's request_routing_stats_period_s
@@ -74,7 +94,8 @@ class KVRouterSettings:
 
     def __post_init__(self) -> None:
         _require(isinstance(self.block_size, int) and self.block_size >= 1, "block_size", "must be an integer >= 1")
-        for name in ("prompt_weight", "output_weight", "waiting_weight", "tie_tolerance", "sample_lag_s", "max_stats_age_s"):
+        for name in ("prompt_weight", "output_weight", "waiting_weight", "prefill_weight", "tie_tolerance", "sample_lag_s",
+                     "max_stats_age_s"):
             value = getattr(self, name)
             _require(isinstance(value, int | float) and value >= 0 and math.isfinite(value), name, "must be a finite number >= 0")
         _require(isinstance(self.max_expected_output_tokens, int) and self.max_expected_output_tokens >= 0,
@@ -154,6 +175,7 @@ class ReplicaSample:
     num_waiting: int
     num_running: int
     sampled_at: float | None  # replica wall clock (time.time()) when taken; None if not published
+    num_pending_prompt_tokens: int = 0  # prompt tokens not yet computed (0 if not published)
 
     @property
     def num_used_blocks(self) -> int:
@@ -170,7 +192,7 @@ class ReplicaSample:
             free = int(stats.get("num_free_blocks", round(total * (1.0 - usage))))
             sampled_at = stats.get("sampled_at")
             return cls(usage, free, total, int(stats.get("num_waiting", 0)), int(stats.get("num_running", 0)),
-                       None if sampled_at is None else float(sampled_at))
+                       None if sampled_at is None else float(sampled_at), int(stats.get("num_pending_prompt_tokens", 0)))
         except (KeyError, TypeError, ValueError):
             return None
 
@@ -182,6 +204,7 @@ class LedgerEntry:
     replica_id: str
     blocks: int
     routed_at: float  # router wall clock
+    prompt_tokens: int = 0
     confirmed: bool = False  # Serve reported it routed (accepted by the replica)
     pending: Any = None  # the PendingRequest of an unconfirmed choice (to notice cancellation)
 
@@ -208,22 +231,23 @@ class InFlightLedger:
         if on_replica is not None:
             on_replica.pop(entry.request_id, None)
 
-    def reserve(self, request_id: str, replica_id: str, blocks: int, now: float, pending: Any = None) -> None:
+    def reserve(self, request_id: str, replica_id: str, blocks: int, now: float, pending: Any = None,
+                prompt_tokens: int = 0) -> None:
         old = self.entries.get(request_id)
         if old is not None:
             if old.confirmed:  # already routed: a duplicate choice changes nothing
                 return
             self._unplace(old)
-        self._place(LedgerEntry(request_id, replica_id, blocks, now, pending=pending))
+        self._place(LedgerEntry(request_id, replica_id, blocks, now, prompt_tokens, pending=pending))
 
-    def confirm(self, request_id: str, replica_id: str, blocks: int, now: float) -> LedgerEntry:
+    def confirm(self, request_id: str, replica_id: str, blocks: int, now: float, prompt_tokens: int = 0) -> LedgerEntry:
         entry = self.entries.get(request_id)
         if entry is not None and entry.replica_id != replica_id:
             self._unplace(entry)
-            entry = LedgerEntry(request_id, replica_id, entry.blocks, now)
+            entry = LedgerEntry(request_id, replica_id, entry.blocks, now, entry.prompt_tokens)
             self._place(entry)
         elif entry is None:
-            entry = LedgerEntry(request_id, replica_id, blocks, now)
+            entry = LedgerEntry(request_id, replica_id, blocks, now, prompt_tokens)
             self._place(entry)
         entry.confirmed = True
         entry.pending = None
@@ -261,14 +285,15 @@ class InFlightLedger:
                        key=lambda e: e.routed_at, reverse=True)[:n]
         return sum(e.blocks for e in older), len(older)
 
-    def since(self, replica_id: str, t: float | None) -> tuple[int, int]:
-        """(blocks, requests) routed to the replica after time `t` (None: all in flight)."""
-        blocks = count = 0
+    def since(self, replica_id: str, t: float | None) -> tuple[int, int, int]:
+        """(blocks, requests, prompt tokens) routed to the replica after time `t` (None: all in flight)."""
+        blocks = count = prompt_tokens = 0
         for entry in self.by_replica.get(replica_id, {}).values():
             if t is None or entry.routed_at > t:
                 blocks += entry.blocks
                 count += 1
-        return blocks, count
+                prompt_tokens += entry.prompt_tokens
+        return blocks, count, prompt_tokens
 
 
 def _cancelled(pending: Any) -> bool:
@@ -289,6 +314,8 @@ class ReplicaView:
     pending_requests: int = 0  # requests routed since its sample
     waiting_blocks: float = 0.0  # estimated blocks of the sample's waiting requests
     occupancy: float = math.inf  # estimated, see module docstring (inf without a fresh sample)
+    prefill_backlog: int = 0  # estimated prompt tokens it must read first (see module docstring)
+    score: float = math.inf  # what the ranking orders by: occupancy + weighted backlog
 
 
 def waiting_demand(sample: ReplicaSample, own_blocks: int, own_requests: int, mean_request_blocks: float) -> float:
@@ -298,14 +325,20 @@ def waiting_demand(sample: ReplicaSample, own_blocks: int, own_requests: int, me
 
 
 def estimate_occupancy(sample: ReplicaSample, pending_blocks: int, waiting_blocks: float,
-                       settings: KVRouterSettings) -> float:
+                       settings: KVRouterSettings, own_final_blocks: int = 0) -> float:
     total = max(sample.num_total_blocks, 1)
-    return (sample.num_used_blocks + settings.waiting_weight * waiting_blocks + pending_blocks) / total
+    sampled = sample.num_used_blocks + settings.waiting_weight * waiting_blocks + pending_blocks
+    return max(sampled, own_final_blocks) / total
+
+
+def estimate_score(sample: ReplicaSample, occupancy: float, prefill_backlog: int, settings: KVRouterSettings) -> float:
+    cache_tokens = max(sample.num_total_blocks * settings.block_size, 1)
+    return occupancy + settings.prefill_weight * prefill_backlog / cache_tokens
 
 
 def rank_replicas(views: Sequence[ReplicaView], settings: KVRouterSettings,
                   rng: random.Random | None = None) -> tuple[list[ReplicaView], str]:
-    """Candidates best first, and the mode used: "kv" (occupancy) or "fallback" (least in-flight)."""
+    """Candidates best first, and the mode used: "kv" (score) or "fallback" (least in-flight)."""
     rng = rng or random
     noise = {v.replica_id: rng.random() for v in views}
     fresh = all(v.sample is not None and v.stats_age_s is not None and v.stats_age_s <= settings.max_stats_age_s
@@ -313,10 +346,10 @@ def rank_replicas(views: Sequence[ReplicaView], settings: KVRouterSettings,
     if not views:
         return [], "kv"
     if not fresh:
-        return sorted(views, key=lambda v: (v.num_in_flight, v.occupancy, noise[v.replica_id])), "fallback"
-    best = min(v.occupancy for v in views)
-    tied = [v for v in views if v.occupancy <= best + settings.tie_tolerance]
-    rest = [v for v in views if v.occupancy > best + settings.tie_tolerance]
-    tied.sort(key=lambda v: (v.sample.num_waiting + v.pending_requests, v.num_in_flight, v.occupancy, noise[v.replica_id]))
-    rest.sort(key=lambda v: (v.occupancy, v.num_in_flight, noise[v.replica_id]))
+        return sorted(views, key=lambda v: (v.num_in_flight, v.score, noise[v.replica_id])), "fallback"
+    best = min(v.score for v in views)
+    tied = [v for v in views if v.score <= best + settings.tie_tolerance]
+    rest = [v for v in views if v.score > best + settings.tie_tolerance]
+    tied.sort(key=lambda v: (v.sample.num_waiting + v.pending_requests, v.num_in_flight, v.score, noise[v.replica_id]))
+    rest.sort(key=lambda v: (v.score, v.num_in_flight, noise[v.replica_id]))
     return tied + rest, "kv"

@@ -71,6 +71,7 @@ def test_random_traffic_keeps_integrity(ops, num_blocks, budget, max_seqs, batch
             for _ in range(a):
                 step(scheduler)
                 bm.check_integrity()
+                assert scheduler.num_pending_prompt_tokens >= 0
         else:
             scheduler.finish_requests([f"r{a}"])
         bm.check_integrity()
@@ -116,6 +117,34 @@ def test_cached_blocks_are_evicted_only_when_needed():
     step(scheduler)
     assert len(bm._cached) == 3  # b's own three full blocks (its last block holds the sampled position)
     bm.check_integrity()
+
+
+def test_pending_prompt_tokens_follow_chunked_prefill_and_preemption():
+    """Routing stats publish the prompt tokens still to be read: whole waiting prompts, the rest of a
+    part-read one, nothing for a decoding request, and a preempted request's whole recompute."""
+    scheduler, bm = make_scheduler(num_blocks=6, budget=8, max_seqs=4, prefix=False)
+    scheduler.add_request(Request("long", list(range(10)), SamplingParams(max_tokens=6, ignore_eos=True), None, 0.0))
+    scheduler.add_request(Request("short", list(range(100, 105)), SamplingParams(max_tokens=6, ignore_eos=True), None, 1.0))
+    assert scheduler.num_pending_prompt_tokens == 15
+    out = scheduler.schedule()  # 8 of long's 10 prompt tokens: unread until the model has run them
+    assert out.num_batched_tokens == 8 and scheduler.num_pending_prompt_tokens == 15
+    scheduler.update_from_output(out, fake_run(out))
+    assert scheduler.num_pending_prompt_tokens == 2 + 5
+    out = scheduler.schedule()  # long's last 2 and short's 5 (both sample)
+    assert out.num_batched_tokens == 7 and scheduler.num_pending_prompt_tokens == 7
+    scheduler.update_from_output(out, fake_run(out))
+    assert scheduler.num_pending_prompt_tokens == 0
+    out = scheduler.schedule()  # two decodes in flight: no prompt work
+    assert out.num_batched_tokens == 2 and scheduler.num_pending_prompt_tokens == 0
+    scheduler.update_from_output(out, fake_run(out))
+    preempted_seen = False
+    while scheduler.has_unfinished_requests():
+        out = step(scheduler)
+        if out.preempted_ids:  # 6 blocks of 4 cannot hold both to the end: the newest is recomputed
+            victim = scheduler.requests[out.preempted_ids[0]]
+            assert scheduler.num_pending_prompt_tokens == victim.num_tokens - 1
+            preempted_seen = True
+    assert preempted_seen and scheduler.num_pending_prompt_tokens == 0
 
 
 def test_preempts_newest_first_and_resumes():

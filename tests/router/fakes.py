@@ -45,10 +45,12 @@ class FakeReplica:
     def name(self) -> str:
         return self.replica_id.unique_id
 
-    def publish(self, *, used: int, total: int, waiting: int = 0, running: int = 0, at: float | None) -> None:
-        """What `LLMServer.record_routing_stats` returns, as Serve would hand it to routers."""
+    def publish(self, *, used: int, total: int, waiting: int = 0, running: int = 0, unread: int = 0,
+                at: float | None) -> None:
+        """What `LLMServer.record_routing_stats` returns, as Serve would hand it to routers (`unread`:
+        prompt tokens not yet computed)."""
         stats: dict[str, Any] = {"kv_cache_usage": used / total, "num_free_blocks": total - used, "num_total_blocks": total,
-                                 "num_waiting": waiting, "num_running": running}
+                                 "num_waiting": waiting, "num_running": running, "num_pending_prompt_tokens": unread}
         if at is not None:
             stats["sampled_at"] = at
         self.routing_stats = stats

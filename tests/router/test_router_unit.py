@@ -209,12 +209,13 @@ def _skewed_pair(clock: Clock) -> tuple[FakeReplica, FakeReplica]:
 
 def test_20_requests_between_two_samples_spread_in_proportion_to_free_capacity():
     """20 requests of 18 blocks = 360 blocks = all the free room (240 + 120): a share in proportion to
-    free capacity is 2:1 (13.3 : 6.7). Without in-flight accounting every one goes to `a`."""
+    free capacity is 2:1 (13.3 : 6.7). Without in-flight accounting every one goes to `a`. (KV alone:
+    the prefill term, tested below, would also weigh the prompts routed since the sample.)"""
 
     async def main():
         clock = Clock()
         a, b = _skewed_pair(clock)
-        router = make_router(KVCacheAwareRouter, clock, [a, b], seed=0, block_size=BLOCK_SIZE)
+        router = make_router(KVCacheAwareRouter, clock, [a, b], seed=0, block_size=BLOCK_SIZE, prefill_weight=0.0)
         counts = {"a": 0, "b": 0}
         for i in range(20):
             clock.now += 0.01  # 20 requests in 0.2 s, no new sample
@@ -230,7 +231,7 @@ def test_20_requests_between_two_samples_spread_in_proportion_to_free_capacity()
         # the same decisions without accounting (a router that forgets what it sent) herd onto `a`
         herd = {"a": 0, "b": 0}
         for i in range(20):
-            forgetful = make_router(KVCacheAwareRouter, clock, [a, b], seed=i, block_size=BLOCK_SIZE)
+            forgetful = make_router(KVCacheAwareRouter, clock, [a, b], seed=i, block_size=BLOCK_SIZE, prefill_weight=0.0)
             herd[(await route(forgetful, [a, b], pending(gen_request(f"h{i}", 144, 144)))).name] += 1
         assert herd == {"a": 20, "b": 0}
 
@@ -336,7 +337,7 @@ def test_ledger_follows_serve_hooks():
         # calls that are not generations (model_info, check_health) count in flight but hold no blocks
         pr = pending(None, internal_id="info", method="model_info")
         await route(router, [a, b], pr)
-        assert ledger.entries["info"].blocks == 0 and ledger.since("a", None) == (0, 1)
+        assert ledger.entries["info"].blocks == 0 and ledger.since("a", None) == (0, 1, 0)
 
         # a replica that goes away takes its entries with it
         router.update_replicas([b])
@@ -472,3 +473,30 @@ def test_router_selection_by_config():
     assert settings.block_size == 16 and settings.waiting_weight == 0.5 and settings.max_stats_age_s == 5.0
     with pytest.raises(ValueError):
         GenerateRequest("r", prompt="x", sampling_params=SamplingParams(max_tokens=0))
+
+
+def test_prefill_backlog_steers_requests_away_from_a_replica_reading_a_long_prompt():
+    """Equal KV room, but `a` still has a 384-token prompt to read: a short request sent there waits for
+    that prefill. The default weights send it to `b`; KV alone (prefill_weight 0) prefers `a`, whose
+    cache is a little emptier. Prompts routed since the sample count too."""
+
+    async def main():
+        clock = Clock()
+        a, b = FakeReplica("a"), FakeReplica("b")
+        a.publish(used=28, total=96, running=1, unread=384, at=clock.now)
+        b.publish(used=32, total=96, running=8, at=clock.now)
+        router = make_router(KVCacheAwareRouter, clock, [a, b], seed=0, block_size=BLOCK_SIZE)
+        assert (await route(router, [a, b], pending(gen_request("s0", 48, 16)))).name == "b"
+        view = {v.replica_id: v for v in router.last_ranking}
+        assert view["a"].prefill_backlog == 384 and view["b"].prefill_backlog == 0  # at the decision
+        assert router._view(b, clock.now).prefill_backlog == 48  # s0, sent since the sample
+        assert view["a"].score == pytest.approx(28 / 96 + 384 / (96 * BLOCK_SIZE))
+        kv_only = make_router(KVCacheAwareRouter, clock, [a, b], seed=0, block_size=BLOCK_SIZE, prefill_weight=0.0)
+        assert (await route(kv_only, [a, b], pending(gen_request("s1", 48, 16)))).name == "a"
+        # once `a` has read it (a new sample), `a` is the emptier one again
+        clock.now += 0.5
+        a.publish(used=28, total=96, running=1, at=clock.now)
+        b.publish(used=32, total=96, running=8, at=clock.now)
+        assert (await route(router, [a, b], pending(gen_request("s2", 48, 16)))).name == "a"
+
+    run(main())

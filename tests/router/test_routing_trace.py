@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from loadtest.bench_routing import replica_deltas, write_report
+from loadtest.bench_routing import compare_runs, replica_deltas, write_report
 from loadtest.routing_trace import Mix, RequestResult, compare, make_trace, pct, summarize_run
 
 
@@ -53,20 +53,24 @@ def test_replica_deltas_count_this_runs_requests_by_kind():
 
 
 def test_report_from_a_synthetic_run(tmp_path):
-    def run(p99, tok):
-        return {"num_requests": 10, "num_errors": 0, "ttft_p50_s": 0.2, "ttft_p99_s": p99, "e2e_p99_s": 3.0,
+    def run(p99s, tok):
+        per_seed = [{"seed": i, "ttft_p99_s": p} for i, p in enumerate(p99s)]
+        return {"num_requests": 10, "num_errors": 0, "ttft_p50_s": 0.2, "ttft_p99_s": max(p99s), "e2e_p99_s": 3.0,
                 "output_tok_s": tok, "preemptions": 1, "per_replica": {"a": {"requests": 6, "long": 1}, "b": {"requests": 4, "long": 0}},
                 "by_kind": {"short": {"ttft_p50_s": 0.1, "ttft_p99_s": 0.5}, "long": {"ttft_p50_s": 1.0, "ttft_p99_s": 2.0}},
-                "ttft_cdf": [0.1, 0.2, p99]}
+                "ttft_cdf": [0.1, 0.2, max(p99s)], "per_seed": per_seed}
 
     results = {"date": "2026-01-01 00:00 UTC", "command": "python loadtest/bench_routing.py", "machine": "x", "loadavg_start": "1",
                "loadavg_end": "1", "mix": {**Mix().__dict__, "mean_prompt": Mix().mean_prompt, "mean_output": Mix().mean_output},
-               "workload": {"duration_s": 40, "seed": 0, "load": 0.85, "num_blocks": 128, "rate_req_s": 2.0, "capacity_req_s": 2.35},
-               "routers": {"pow2": {"runs": {"skewed": run(2.0, 100.0), "uniform": run(1.0, 100.0)}},
-                           "kv_aware": {"runs": {"skewed": run(1.2, 101.0), "uniform": run(1.2, 99.0)}}}}
-    results["comparison"] = {t: compare({r: v["runs"][t] for r, v in results["routers"].items()}) for t in ("skewed", "uniform")}
+               "workload": {"duration_s": 40, "seeds": [0, 1], "load": 0.85, "num_blocks": 128, "rate_req_s": 2.0,
+                            "capacity_req_s": 2.35},
+               "routers": {"pow2": {"runs": {"skewed": run([2.0, 1.0], 100.0), "uniform": run([1.0, 1.0], 100.0)}},
+                           "kv_aware": {"runs": {"skewed": run([1.2, 0.9], 101.0), "uniform": run([1.2, 0.5], 99.0)}}}}
+    results["comparison"] = {t: compare_runs(results["routers"], t) for t in ("skewed", "uniform")}
+    assert results["comparison"]["skewed"]["ttft_p99_ratio_per_seed"] == pytest.approx([0.6, 0.9])
     write_report(results, tmp_path)
     md = (tmp_path / "routing.md").read_text()
-    assert "| skewed | 0.60 |" in md and "| yes |" in md  # 1.2 / 2.0 = 0.6 ≤ 0.7, tok/s 1.01
-    assert "| uniform | 1.20 |" in md and md.rstrip().count("| no |") == 1  # 1.2 > 1.1
+    assert "| skewed | 0.60 | 0.60, 0.90 |" in md and "| yes |" in md  # pooled 1.2 / 2.0 = 0.6 ≤ 0.7, tok/s 1.01
+    assert "| uniform | 1.20 | 1.20, 0.50 |" in md and md.rstrip().count("| no |") == 1  # 1.2 > 1.1
+    assert "| kv_aware | 1.200 | 0.900 |" in md  # each seed's own p99
     assert (tmp_path / "routing.png").stat().st_size > 10_000 and (tmp_path / "routing.json").is_file()

@@ -34,7 +34,9 @@ def test_backend_streams_deltas_and_reports_load(model_dir):
             idle = backend.routing_stats()
             assert idle.num_free_blocks == idle.num_total_blocks == NUM_BLOCKS
             assert idle.kv_cache_usage == 0.0 and idle.num_running == idle.num_waiting == 0
-            assert set(idle.as_dict()) == {"kv_cache_usage", "num_free_blocks", "num_total_blocks", "num_waiting", "num_running"}
+            assert set(idle.as_dict()) == {"kv_cache_usage", "num_free_blocks", "num_total_blocks", "num_waiting", "num_running",
+                                           "num_pending_prompt_tokens"}
+            assert idle.num_pending_prompt_tokens == 0
             info = backend.model_info()
             assert info.name == "smollm2-135m-instruct" and info.max_model_len == NUM_BLOCKS * 16
 
@@ -50,6 +52,7 @@ def test_backend_streams_deltas_and_reports_load(model_dir):
             await stream.__anext__()
             busy = backend.routing_stats()
             assert busy.num_free_blocks < NUM_BLOCKS and busy.num_running == 1 and busy.kv_cache_usage > 0
+            assert busy.num_pending_prompt_tokens == 0  # it has its first token: decoding, nothing left to read
             await stream.aclose()
             for _ in range(100):
                 if backend.routing_stats().num_free_blocks == NUM_BLOCKS:
