@@ -40,10 +40,12 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # Ray on the loopback address only
 
-from loadtest.replica_probe import FACTORY, PROBE_DIR_ENV, read_probes  # noqa: E402
+from loadtest.replica_probe import FACTORY, PROBE_DIR_ENV, read_probes, serve_replicas  # noqa: E402
 from loadtest.routing_trace import Mix, RequestResult, TraceRequest, compare, make_trace, summarize_run  # noqa: E402
+from serve_app.serving.routing_policy import ROUTER_CLASSES  # noqa: E402
 
-APP = "bench-routing"
+APP = "bench-routing"  # + "-<router>": Serve caches a driver's handles by (deployment, app), and a
+# handle keeps the request router it started with, so each router needs its own app name
 ROUTERS = ("pow2", "kv_aware", "round_robin")  # the first deployed calibrates the rate: the baseline
 TRACES = ("skewed", "uniform")
 
@@ -60,24 +62,12 @@ def app_args(router: str, opts: argparse.Namespace) -> dict[str, Any]:
 
 
 # ---- replicas ------------------------------------------------------------------------------------------
-def llm_replicas() -> dict[str, Any]:
-    import ray
-
-    prefix = f"SERVE_REPLICA::{APP}#LLMServer#"
-    out = {}
-    for entry in ray.util.list_named_actors(all_namespaces=True):
-        if entry["name"].startswith(prefix):
-            with contextlib.suppress(ValueError):
-                out[entry["name"].removeprefix(prefix)] = ray.get_actor(entry["name"], namespace="serve")
-    return out
-
-
-def wait_idle(timeout_s: float = 120.0) -> None:
+def wait_idle(app: str, timeout_s: float = 120.0) -> None:
     import ray
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        replicas = llm_replicas()
+        replicas = serve_replicas(app)
         stats = [ray.get(a.record_routing_stats.remote(), timeout=10) for a in replicas.values()]
         if stats and all(s["num_running"] == 0 and s["num_waiting"] == 0 for s in stats):
             return
@@ -103,14 +93,22 @@ def replica_deltas(before: dict, after: dict, tag: str) -> tuple[int, dict[str, 
     return preemptions, per_replica
 
 
-def router_decisions(handle: Any) -> dict[str, int]:
-    """The KV-aware router's decisions so far by mode ("kv" / "fallback": stale or missing stats), read
-    from the router instance inside this process's handle (Ray-private attributes: {} if they move)."""
+def _request_router(handle: Any) -> Any:
+    """The request router inside this process's handle (Ray-private attributes: None if they move)."""
     try:
-        router = handle._router._asyncio_router.request_router
-        return dict(getattr(router, "num_decisions", {}))
+        return handle._router._asyncio_router.request_router
     except AttributeError:
-        return {}
+        return None
+
+
+def router_class(handle: Any) -> str | None:
+    router = _request_router(handle)
+    return None if router is None else type(router).__name__
+
+
+def router_decisions(handle: Any) -> dict[str, int]:
+    """The KV-aware router's decisions so far by mode ("kv" / "fallback": stale or missing stats)."""
+    return dict(getattr(_request_router(handle), "num_decisions", {}))
 
 
 def replica_of_requests(snapshot: dict[str, dict[str, Any]], tag: str) -> dict[str, str]:
@@ -194,7 +192,7 @@ async def calibrate(handle: Any, mix: Mix, seconds: float, concurrency: int, see
 
 
 # ---- one trace -----------------------------------------------------------------------------------------
-def run_trace(handle: Any, router: str, name: str, traces: list[list[TraceRequest]], opts: argparse.Namespace,
+def run_trace(handle: Any, app: str, router: str, name: str, traces: list[list[TraceRequest]], opts: argparse.Namespace,
               probe_dir: Path, replica_ids: set[str], loop: asyncio.AbstractEventLoop) -> dict[str, Any]:
     """Replay one trace per seed, one after another (idle in between); the summary pools every seed's
     requests (percentiles over all of them), and `per_seed` keeps each replay's own summary."""
@@ -206,7 +204,7 @@ def run_trace(handle: Any, router: str, name: str, traces: list[list[TraceReques
     per_replica: dict[str, dict[str, int]] = {}
     decisions: dict[str, int] = {}
     for seed, trace in zip(opts.seeds, traces, strict=True):
-        wait_idle()
+        wait_idle(app)
         tag = f"{router}-{name}-s{seed}"
         before = probe_snapshot(probe_dir, replica_ids)
         decisions_before = router_decisions(handle)
@@ -248,14 +246,19 @@ def run_router(router: str, opts: argparse.Namespace, mix: Mix, probe_dir: Path,
     from serve_app.serving.app import build_app
 
     started = time.monotonic()
-    serve.run(build_app(app_args(router, opts)), name=APP, route_prefix="/")
-    handle = serve.get_deployment_handle("LLMServer", app_name=APP)
-    replica_ids = set(llm_replicas())
+    app = f"{APP}-{router}"
+    serve.run(build_app(app_args(router, opts)), name=app, route_prefix="/")
+    handle = serve.get_deployment_handle("LLMServer", app_name=app)
+    replica_ids = set(serve_replicas(app))
     out: dict[str, Any] = {"router": router, "deploy_s": time.monotonic() - started, "replicas": sorted(replica_ids), "runs": {}}
     print(f"[bench-routing] {router}: deployed in {out['deploy_s']:.1f} s", flush=True)
     try:
         warm = make_trace("uniform", mix, rate=10.0, duration_s=0.4, seed=7)
         loop.run_until_complete(replay(handle, warm, f"{router}-warmup", 60.0))
+        out["router_class"] = router_class(handle)
+        expected = ROUTER_CLASSES[router].rsplit(":", 1)[-1]
+        if out["router_class"] not in (expected, None):
+            raise RuntimeError(f"{router}: the handle routes with {out['router_class']}, not {expected}")
         if rate is None:
             capacity = loop.run_until_complete(calibrate(handle, mix, opts.calibrate_s, opts.calibrate_concurrency, opts.seeds[0]))
             rate = opts.load * capacity
@@ -263,11 +266,11 @@ def run_router(router: str, opts: argparse.Namespace, mix: Mix, probe_dir: Path,
                                   "seconds": opts.calibrate_s, "concurrency": opts.calibrate_concurrency}
             print(f"[bench-routing] calibration: {capacity:.2f} req/s completed → trace rate {rate:.2f} req/s", flush=True)
         for name in TRACES:
-            out["runs"][name] = run_trace(handle, router, name, [make_trace(name, mix, rate, opts.duration, seed) for seed in opts.seeds],
+            out["runs"][name] = run_trace(handle, app, router, name, [make_trace(name, mix, rate, opts.duration, seed) for seed in opts.seeds],
                                           opts, probe_dir, replica_ids, loop)
             out["runs"][name]["rate_req_s"] = rate
     finally:
-        serve.delete(APP)
+        serve.delete(app)
     return out, rate
 
 

@@ -17,6 +17,7 @@ logger does nothing.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -26,6 +27,19 @@ from typing import Any
 PROBE_DIR_ENV = "SERVE_APP_PROBE_DIR"
 FACTORY = "loadtest.replica_probe:make_probe_logger"
 WRITE_INTERVAL_S = 0.2
+
+
+def serve_replicas(app: str, deployment: str = "LLMServer") -> dict[str, Any]:
+    """The live replica actors of a Serve deployment in the connected Ray cluster, by replica id."""
+    import ray
+
+    prefix = f"SERVE_REPLICA::{app}#{deployment}#"
+    out = {}
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        if entry["name"].startswith(prefix):
+            with contextlib.suppress(ValueError):  # it died since it was listed
+                out[entry["name"].removeprefix(prefix)] = ray.get_actor(entry["name"], namespace="serve")
+    return out
 
 
 class ReplicaProbe:

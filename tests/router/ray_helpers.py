@@ -30,7 +30,7 @@ from typing import Any
 
 import psutil
 
-from loadtest.replica_probe import FACTORY, PROBE_DIR_ENV, read_probes, where
+from loadtest.replica_probe import FACTORY, PROBE_DIR_ENV, read_probes, serve_replicas, where
 from tests.polling import wait_for  # noqa: F401 (also re-exported to test modules)
 from tests.serving.conftest import APP_NAME, MODEL_DIR, MODEL_NAME, free_port
 
@@ -82,15 +82,7 @@ def serve_app(args: dict[str, Any]) -> Iterator[str]:
 
 def llm_replicas() -> dict[str, Any]:
     """LLMServer replica actors by replica unique id."""
-    import ray
-
-    prefix = f"SERVE_REPLICA::{APP_NAME}#LLMServer#"
-    out = {}
-    for entry in ray.util.list_named_actors(all_namespaces=True):
-        if entry["name"].startswith(prefix):
-            with contextlib.suppress(ValueError):
-                out[entry["name"].removeprefix(prefix)] = ray.get_actor(entry["name"], namespace="serve")
-    return out
+    return serve_replicas(APP_NAME)
 
 
 def published_stats(replicas: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -161,6 +153,30 @@ def cancel_all(generators: list[Any]) -> None:
     for gen in generators:
         with contextlib.suppress(Exception):
             ray.cancel(gen)
+
+
+def shorts_after_preload(base_url: str, replicas: dict[str, Any], loaded: str, other: str, probe_dir: Path,
+                         rng: random.Random, num_short: int) -> tuple[dict, dict, dict[str, str]]:
+    """Preload `loaded` with two long requests (900-token prompts) and `other` with two thin ones, both
+    sent to the replicas directly (no router); once all four run and the router holds a sample of it,
+    send `num_short` short requests through the HTTP API, 4 at a time. Returns the published stats
+    before and after the short requests, and which replica served each of them."""
+    preload = [send_direct(replicas[loaded], f"long-{i}", random_ids(900, rng), 600) for i in range(2)]
+    preload += [send_direct(replicas[other], f"thin-{i}", random_ids(16, rng), 600) for i in range(2)]
+    try:
+        def both_loaded():
+            stats = published_stats(replicas)
+            ok = stats[loaded]["kv_cache_usage"] >= 0.4 and stats[loaded]["num_running"] == 2 \
+                and stats[other]["num_running"] == 2
+            return stats if ok else None
+
+        before = wait_for(both_loaded, 90, message="the preloaded requests running")
+        time.sleep(1.0)  # > 2 routing-stats periods (0.2 s): the router holds a sample with that load
+        ids = send_waves(base_url, [random_ids(24, rng) for _ in range(num_short)], max_tokens=4, wave=4)
+        after = published_stats(replicas)
+    finally:
+        cancel_all(preload)
+    return before, after, served_by(probe_dir, ids)
 
 
 def refresh_ray_settings() -> None:

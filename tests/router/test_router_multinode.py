@@ -15,16 +15,15 @@ import time
 import pytest
 
 from tests.router.ray_helpers import (
-    cancel_all,
     llm_replicas,
     published_stats,
     random_ids,
     read_probes,
     router_app_args,
-    send_direct,
     send_waves,
     serve_app,
     served_by,
+    shorts_after_preload,
     wait_for,
 )
 
@@ -63,22 +62,7 @@ def test_requests_balance_across_nodes_by_occupancy(two_node_ray, probe_dir):
         # 2. the head node's replica holds long prompts; the worker node's as many thin requests
         wait_for(lambda: all(s["num_running"] == 0 and s["num_waiting"] == 0 for s in published_stats(replicas).values()),
                  60, message="idle replicas after the burst")
-        preload = [send_direct(replicas[on_head], f"long-{i}", random_ids(900, rng), 600) for i in range(2)]
-        preload += [send_direct(replicas[on_worker], f"thin-{i}", random_ids(16, rng), 600) for i in range(2)]
-        try:
-            def loaded():
-                stats = published_stats(replicas)
-                ok = stats[on_head]["kv_cache_usage"] >= 0.4 and stats[on_head]["num_running"] == 2 \
-                    and stats[on_worker]["num_running"] == 2
-                return stats if ok else None
-
-            before = wait_for(loaded, 90, message="the preloaded requests running")
-            time.sleep(1.0)  # > 2 routing-stats periods
-            ids = send_waves(base_url, [random_ids(24, rng) for _ in range(NUM_SHORT)], max_tokens=4, wave=4)
-            after = published_stats(replicas)
-        finally:
-            cancel_all(preload)
-        served = served_by(probe_dir, ids)
+        before, after, served = shorts_after_preload(base_url, replicas, on_head, on_worker, probe_dir, rng, NUM_SHORT)
     on_worker_count = sum(1 for r in served.values() if r == on_worker)
     print(f"[multinode] KV usage head/worker before {before[on_head]['kv_cache_usage']:.2f}/"
           f"{before[on_worker]['kv_cache_usage']:.2f}; short requests on the worker node: {on_worker_count}/{NUM_SHORT}")

@@ -14,18 +14,7 @@ import time
 
 import pytest
 
-from tests.router.ray_helpers import (
-    cancel_all,
-    llm_replicas,
-    published_stats,
-    random_ids,
-    router_app_args,
-    send_direct,
-    send_waves,
-    serve_app,
-    served_by,
-    wait_for,
-)
+from tests.router.ray_helpers import llm_replicas, router_app_args, serve_app, shorts_after_preload
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -40,27 +29,12 @@ def test_short_requests_avoid_the_replica_full_of_long_ones(local_ray, probe_dir
         replicas = llm_replicas()
         assert len(replicas) == 2
         loaded, other = sorted(replicas)
-        preload = [send_direct(replicas[loaded], f"long-{i}", random_ids(900, rng), 600) for i in range(2)]
-        preload += [send_direct(replicas[other], f"thin-{i}", random_ids(16, rng), 600) for i in range(2)]
-        try:
-            def both_loaded():
-                stats = published_stats(replicas)
-                ok = stats[loaded]["kv_cache_usage"] >= 0.4 and stats[loaded]["num_running"] == 2 \
-                    and stats[other]["num_running"] == 2
-                return stats if ok else None
-
-            before = wait_for(both_loaded, 90, message="the preloaded requests running")
-            time.sleep(1.0)  # > 2 routing-stats periods (0.2 s): the router holds a sample with that load
-            ids = send_waves(base_url, [random_ids(24, rng) for _ in range(NUM_SHORT)], max_tokens=4, wave=4)
-            after = published_stats(replicas)
-        finally:
-            cancel_all(preload)
-        served = served_by(probe_dir, ids)
+        before, after, served = shorts_after_preload(base_url, replicas, loaded, other, probe_dir, rng, NUM_SHORT)
     on_other = sum(1 for replica in served.values() if replica == other)
     print(f"[router] KV usage before: loaded {before[loaded]['kv_cache_usage']:.2f}, other "
           f"{before[other]['kv_cache_usage']:.2f}; after: {after[loaded]['kv_cache_usage']:.2f} / "
           f"{after[other]['kv_cache_usage']:.2f}; short requests on the other replica: {on_other}/{NUM_SHORT}")
-    assert len(served) == NUM_SHORT, f"requests missing from the probes: {set(ids) - set(served)}"
+    assert len(served) == NUM_SHORT, f"requests missing from the probes: {sorted(served)}"
     # the long requests were still there the whole time (else the test proves nothing)
     assert after[loaded]["kv_cache_usage"] >= 0.4 and after[loaded]["kv_cache_usage"] > after[other]["kv_cache_usage"]
     assert on_other >= 0.9 * NUM_SHORT, f"only {on_other}/{NUM_SHORT} short requests avoided the loaded replica"

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from loadtest.replica_probe import serve_replicas
 from tests.polling import wait_for  # noqa: F401 (also re-exported to test modules)
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # before Ray starts: loopback only
@@ -109,16 +110,8 @@ def serve_app(ray_cluster, args: dict[str, Any]) -> Iterator[ServedApp]:
 
 # ---- replica probes --------------------------------------------------------------------------------
 def replica_actors(deployment: str = "LLMServer") -> dict[str, Any]:
-    """The live replica actors of a deployment, by actor name."""
-    import ray
-
-    prefix = f"SERVE_REPLICA::{APP_NAME}#{deployment}#"
-    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)]
-    actors = {}
-    for name in names:
-        with contextlib.suppress(ValueError):
-            actors[name] = ray.get_actor(name, namespace="serve")
-    return actors
+    """The live replica actors of a deployment, by replica id."""
+    return serve_replicas(APP_NAME, deployment)
 
 
 def replica_stats(deployment: str = "LLMServer", timeout_s: float = 10.0) -> dict[str, dict[str, Any]]:
