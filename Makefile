@@ -35,7 +35,8 @@ bench-engine: install model
 	$(PY) loadtest/bench_engine.py
 
 # W3 (issue 4): KV-aware vs power-of-two vs round-robin routing on the same traces → reports/routing.{json,md,png}
-# (≈ 10 min on 2 busy cores; BENCH_ROUTING_ARGS=--quick: ≈ 4 min, into build/bench-routing-quick/)
+# (3 seeds × 2 traces × 3 routers: ≈ 13 min on a quiet machine; BENCH_ROUTING_ARGS="--seeds 0 1 2 3 4" for more;
+# BENCH_ROUTING_ARGS=--quick: one seed, 8 s traces, ≈ 2 min, into build/bench-routing-quick/)
 BENCH_ROUTING_ARGS ?=
 .PHONY: bench-routing
 bench-routing: install model

@@ -8,6 +8,11 @@ process through a DeploymentHandle (which runs the configured router, as the ing
   among short ones (48 → 16);
 - uniform: the same arrival times, every request of the mix's mean size.
 
+Each trace is replayed once per seed (`--seeds`, default 0 1 2: different arrival times and long
+requests), idle in between: a p99 over one ~90-request replay is its one or two slowest requests,
+and which bursts a seed holds moves it by 3x, so the report pools every seed's requests and lists
+each seed's ratio as the spread.
+
 "Near capacity": unless `--rate` is given, a saturated closed loop on the first deployment (16
 clients replaying the skewed mix) measures how many requests/s the two replicas complete; the traces
 arrive at `--load` (0.85) times that. Measured per run: TTFT (from each request's scheduled arrival, so queueing counts) p50/p99,
@@ -16,7 +21,7 @@ e2e p99, output tok/s over the run, preemptions and requests per replica (from t
 not the absolute numbers, and expect noise from whatever else runs.
 
     .venv/bin/python loadtest/bench_routing.py                 # writes reports/routing.{json,md,png}
-    .venv/bin/python loadtest/bench_routing.py --quick         # smoke run into build/bench-routing-quick/
+    .venv/bin/python loadtest/bench_routing.py --quick         # smoke run (one seed) into build/bench-routing-quick/
 """
 
 from __future__ import annotations
@@ -288,9 +293,17 @@ def _f(x: float | None, digits: int = 2, scale: float = 1.0) -> str:
     return "–" if x is None else f"{x * scale:.{digits}f}"
 
 
-def write_report(results: dict[str, Any], out_dir: Path) -> None:
+def write_report(results: dict[str, Any], out_dir: Path, raw_path: Path | None = None) -> None:
+    """routing.md, routing.png and routing.json (summaries; without the per-request lists, which go to
+    `raw_path` with everything else when given)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "routing.json").write_text(json.dumps(results, indent=2))
+    if raw_path is not None:
+        raw_path.parent.mkdir(parents=True, exist_ok=True)
+        raw_path.write_text(json.dumps(results))
+    committed = {**results, "routers": {router: {**r, "runs": {name: {k: v for k, v in run.items() if k != "requests"}
+                                                             for name, run in r["runs"].items()}}
+                                        for router, r in results["routers"].items()}}
+    (out_dir / "routing.json").write_text(json.dumps(committed, indent=2))
     m, w = results["mix"], results["workload"]
     lines = [
         "# W3 routing: KV-aware vs power-of-two vs round-robin", "",
@@ -344,8 +357,9 @@ def write_report(results: dict[str, Any], out_dir: Path) -> None:
               f"±3% noise allowed) | {_verdict(sk, 0.70, 0.97)} |",
               f"| uniform | {_f(un.get('ttft_p99_ratio'))} | {_per_seed(un)} | {_f(un.get('ttft_p50_ratio'))} | "
               f"{_f(un.get('e2e_p99_ratio'))} | {_f(un.get('output_tok_s_ratio'))} | TTFT p99 ≤ 1.10 | {_verdict(un, 1.10, None)} |", "",
-              "One run, as measured; no re-runs were picked. Raw numbers (every request's TTFT and replica, per-replica "
-              "counts, the KV-aware router's decisions by mode): `routing.json`. Plot: `routing.png`.", ""]
+              "One run, as measured; no re-runs were picked. Summaries, per-replica counts and the KV-aware router's "
+              "decisions by mode: `routing.json`; every request's timings and replica: `build/bench-routing/raw.json` "
+              "(not committed). Plot: `routing.png`.", ""]
     (out_dir / "routing.md").write_text("\n".join(lines))
     plot(results, out_dir / "routing.png")
 
@@ -467,7 +481,7 @@ def main() -> None:
     results["loadavg_end"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
     results["duration_s"] = time.monotonic() - started
     results["comparison"] = {name: compare_runs(results["routers"], name) for name in TRACES}
-    write_report(results, out_dir)
+    write_report(results, out_dir, REPO / "build" / ("bench-routing-quick" if opts.quick else "bench-routing") / "raw.json")
     print(f"[bench-routing] {results['duration_s']:.0f} s; wrote {out_dir / 'routing.md'}")
     print((out_dir / "routing.md").read_text())
 

@@ -3,6 +3,8 @@ KV-aware ÷ power-of-two comparison, and the report (markdown + PNG) from a synt
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from loadtest.bench_routing import compare_runs, replica_deltas, write_report
@@ -68,9 +70,15 @@ def test_report_from_a_synthetic_run(tmp_path):
                            "kv_aware": {"runs": {"skewed": run([1.2, 0.9], 101.0), "uniform": run([1.2, 0.5], 99.0)}}}}
     results["comparison"] = {t: compare_runs(results["routers"], t) for t in ("skewed", "uniform")}
     assert results["comparison"]["skewed"]["ttft_p99_ratio_per_seed"] == pytest.approx([0.6, 0.9])
-    write_report(results, tmp_path)
+    results["routers"]["pow2"]["runs"]["skewed"]["requests"] = [{"index": 0, "ttft_s": 0.1, "replica": "a"}]
+    write_report(results, tmp_path, raw_path=tmp_path / "raw" / "raw.json")
     md = (tmp_path / "routing.md").read_text()
     assert "| skewed | 0.60 | 0.60, 0.90 |" in md and "| yes |" in md  # pooled 1.2 / 2.0 = 0.6 ≤ 0.7, tok/s 1.01
     assert "| uniform | 1.20 | 1.20, 0.50 |" in md and md.rstrip().count("| no |") == 1  # 1.2 > 1.1
     assert "| kv_aware | 1.200 | 0.900 |" in md  # each seed's own p99
-    assert (tmp_path / "routing.png").stat().st_size > 10_000 and (tmp_path / "routing.json").is_file()
+    assert (tmp_path / "routing.png").stat().st_size > 10_000
+    committed = json.loads((tmp_path / "routing.json").read_text())
+    assert "requests" not in committed["routers"]["pow2"]["runs"]["skewed"]  # per-request data: raw only
+    assert committed["routers"]["pow2"]["runs"]["skewed"]["per_seed"][1]["ttft_p99_s"] == 1.0
+    raw = json.loads((tmp_path / "raw" / "raw.json").read_text())
+    assert raw["routers"]["pow2"]["runs"]["skewed"]["requests"][0]["replica"] == "a"
