@@ -4,10 +4,11 @@
   occupancy: its last published `kv_cache_usage` sample (`LLMServer.record_routing_stats`, every
   `request_routing_stats_period_s`) plus the blocks of the requests this router sent there since
   that sample, so that a burst between two samples spreads instead of herding onto the replica that
-  looked emptiest; prompt tokens still to be read there (sampled + sent since) weigh in too, since a
-  request queued behind a long prefill waits for it. Ties go to the shorter waiting queue; replicas without a fresh sample make the
-  router fall back to least in-flight. The policy itself (settings, estimates, ledger, ranking) lives
-  in `routing_policy`; options come from `request_router_kwargs` (`KVRouterSettings`).
+  looked emptiest, or, if larger, its own requests there at their final size. The prompt tokens
+  still to be read there (sampled + sent since) weigh in too: a request queued behind a long prefill
+  waits for it. Ties go to the shorter waiting queue; replicas without a fresh sample make the router
+  fall back to least in-flight. The policy itself (settings, estimates, ledger, ranking) lives in
+  `routing_policy`; options come from `request_router_kwargs` (`KVRouterSettings`).
 - `RoundRobinRouter`: each request to the next replica in turn (a baseline for benchmarks).
 - Serve's default power-of-two-choices router stays available (`ServeConfig.router: pow2`).
 

@@ -292,6 +292,32 @@ def test_a_new_sample_replaces_the_requests_it_includes():
     run(main())
 
 
+def test_requests_in_flight_count_at_their_final_size():
+    """Three long generations admitted long ago hold their prompts' blocks (72 of 96) in the sample but
+    will grow to 96: the replica is full, whatever the sample says. `b` holds more blocks now (80),
+    but its ten short requests will not grow past them, so the next long request goes to `b`."""
+
+    async def main():
+        clock = Clock()
+        a, b = FakeReplica("a"), FakeReplica("b")
+        a.publish(used=0, total=96, at=clock.now)
+        b.publish(used=0, total=96, at=clock.now)
+        router = make_router(KVCacheAwareRouter, clock, [a, b], seed=0, block_size=BLOCK_SIZE, prefill_weight=0.0)
+        for i in range(3):  # 384 + 128 tokens = 32 blocks each, at the end
+            router.ledger.confirm(f"long{i}", "a", 32, clock.now)
+        for i in range(10):  # 48 + 16 tokens = 4 blocks each
+            router.ledger.confirm(f"short{i}", "b", 4, clock.now)
+        clock.now += 5.0  # long past the sample lag: every one is in the new samples
+        a.publish(used=72, total=96, running=3, at=clock.now)
+        b.publish(used=80, total=96, running=10, at=clock.now)
+        chosen = await route(router, [a, b], pending(gen_request("long3", 384, 128)))
+        views = {v.replica_id: v for v in router.last_ranking}
+        assert views["a"].occupancy == pytest.approx(96 / 96) and views["b"].occupancy == pytest.approx(80 / 96)
+        assert chosen.name == "b"
+
+    run(main())
+
+
 def test_ledger_follows_serve_hooks():
     async def main():
         clock = Clock()

@@ -107,6 +107,7 @@ def test_streams_deltas_routing_stats_and_aborts(loop, engine):
     total = backend.routing_stats().num_total_blocks
     idle = backend.routing_stats()
     assert idle.num_free_blocks == total > 0 and idle.kv_cache_usage == 0.0 and idle.num_running == idle.num_waiting == 0
+    assert idle.num_pending_prompt_tokens == 0
     info = backend.model_info()
     assert (info.name, info.max_model_len, info.backend) == (MODEL_NAME, ENGINE["max_model_len"], "vllm")
 
@@ -122,6 +123,8 @@ def test_streams_deltas_routing_stats_and_aborts(loop, engine):
         tasks = [asyncio.ensure_future(collect(backend.generate(GenerateRequest(f"load-{i}", prompt=f"{i} " + "word " * 300,
                                                                                 sampling_params=long))))
                  for i in range(6)]
+        # until their first tokens, their prompts are the prefill work routers see queued here
+        await wait_until(lambda: backend.routing_stats().num_pending_prompt_tokens >= 300, 10, "unread prompts")
         busy = await wait_until(lambda: (s := backend.routing_stats()).num_running >= 2 and s, 60, "running requests")
         assert busy.kv_cache_usage > 0 and busy.num_free_blocks < total
         assert busy.num_free_blocks == total - round(busy.kv_cache_usage * total)
