@@ -235,6 +235,15 @@ def test_20_requests_between_two_samples_spread_in_proportion_to_free_capacity()
             herd[(await route(forgetful, [a, b], pending(gen_request(f"h{i}", 144, 144)))).name] += 1
         assert herd == {"a": 20, "b": 0}
 
+        # default weights (prompts also count as prefill backlog, equally on both): still spread, still
+        # more to the emptier replica
+        default = make_router(KVCacheAwareRouter, clock, [a, b], seed=0, block_size=BLOCK_SIZE)
+        spread = {"a": 0, "b": 0}
+        for i in range(20):
+            clock.now += 0.01
+            spread[(await route(default, [a, b], pending(gen_request(f"d{i}", 144, 144)))).name] += 1
+        assert 10 < spread["a"] < 16, spread
+
     run(main())
 
 
