@@ -9,7 +9,8 @@ Invariants (asserted by `check_integrity`):
 - the prefix-cache map points only at blocks whose `block_hash` is that key.
 
 Prefix caching: when a block is full of computed tokens it gets a hash chained from its parent's
-hash and its token ids (Python's tuple hash: 64 bits, deterministic for ints). A new request whose
+hash and its token ids (SHA-256, serve_app/block_hash.py: collision-resistant, and the same in every
+process, so a router can compute the keys this cache holds). A new request whose
 prompt starts with the same blocks shares them (ref_count > 1). Freed hashed blocks stay cached in
 the free queue, ordered least-recently-used first, and are evicted only when allocation needs them.
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from serve_app.block_hash import BlockHash, extend_block_hashes
 from serve_app.engine.request import Request
 
 
@@ -26,7 +28,7 @@ from serve_app.engine.request import Request
 class KVBlock:
     block_id: int
     ref_count: int = 0
-    block_hash: int | None = None
+    block_hash: BlockHash | None = None
 
 
 def cdiv(a: int, b: int) -> int:
@@ -43,7 +45,7 @@ class BlockManager:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         # free blocks in eviction order: front = first to be reused
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
-        self._cached: dict[int, int] = {}  # block hash -> block id
+        self._cached: dict[BlockHash, int] = {}  # block hash -> block id
         self._tables: dict[str, list[int]] = {}
         self._num_hashed: dict[str, int] = {}  # leading blocks of a table already in the prefix cache
 
@@ -65,11 +67,7 @@ class BlockManager:
 
     # ---- prefix cache --------------------------------------------------------------------------
     def _extend_hashes(self, request: Request, num_full_blocks: int) -> None:
-        hashes, bs, tokens = request.block_hashes, self.block_size, request.all_token_ids
-        while len(hashes) < num_full_blocks:
-            i = len(hashes)
-            parent = hashes[-1] if hashes else None
-            hashes.append(hash((parent, tuple(tokens[i * bs : (i + 1) * bs]))))
+        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, num_full_blocks)
 
     def find_cached_prefix(self, request: Request) -> list[int]:
         """Block ids holding the longest cached prefix of the request's tokens.

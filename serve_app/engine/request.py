@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from serve_app.block_hash import BlockHash
 from serve_app.types import FinishReason, SamplingParams
 
 
@@ -37,7 +38,7 @@ class Request:
     finished_time: float | None = None
     num_preemptions: int = 0
     # prefix-cache hashes of this request's full blocks, extended as blocks fill up
-    block_hashes: list[int] = field(default_factory=list)
+    block_hashes: list[BlockHash] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
