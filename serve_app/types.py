@@ -69,7 +69,11 @@ class GenerateRequest:
     """One generation request as the serving layer hands it to a backend.
 
     `prompt` is text (tokenized as is) or token ids; `messages` (OpenAI chat format) is rendered with
-    the model's chat template instead when given.
+    the model's chat template instead when given. `prompt_token_ids`, when set, are that prompt or
+    those messages already tokenized (the ingress tokenizes once, so routers hash exactly the blocks
+    the engine looks up): the engine uses them and does not tokenize again; `prompt`/`messages` then
+    only describe the request (logs, routers that read text). `cache_salt` keeps the request's
+    cached prefix apart from those of other salts (tenants).
     """
 
     request_id: str
@@ -77,6 +81,8 @@ class GenerateRequest:
     messages: tuple[dict, ...] | None = None
     sampling_params: SamplingParams = field(default_factory=SamplingParams)
     arrival_time: float = field(default_factory=time.monotonic)
+    prompt_token_ids: tuple[int, ...] | None = None
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.messages is None):

@@ -12,6 +12,8 @@ Contracts:
   aborts the request and frees its KV cache.
 - `abort(request_id)` returns once the request's resources are free (no-op for unknown ids).
 - `routing_stats()` is cheap and non-blocking (called every routing-stats period).
+- `prefix_cache_update()` (optional) is the incremental view of what the prefix cache holds
+  (`serve_app.engine.kv_events`), merged into the routing stats at each poll; {} when not tracked.
 - `check_health()` raises when the backend can no longer serve (e.g. its engine loop died), so that
   Ray Serve replaces the replica.
 - `shutdown()` releases the engine; idempotent.
@@ -37,6 +39,11 @@ class RoutingStats:
     num_waiting: int
     num_running: int
     num_pending_prompt_tokens: int = 0  # prompt tokens queued for prefill (EngineLoad)
+    # the replica's own step-cost fit (serve_app.engine.step_cost), 0 until it has one: routers
+    # predict time to first token in seconds with it
+    step_fixed_s: float = 0.0
+    prefill_s_per_token: float = 0.0
+    decode_s_per_token: float = 0.0
 
     def as_dict(self) -> dict[str, float | int]:
         return asdict(self)
@@ -83,6 +90,10 @@ class Backend(ABC):
     @abstractmethod
     def routing_stats(self) -> RoutingStats:
         """Current load, cheap enough to call every fraction of a second."""
+
+    def prefix_cache_update(self) -> dict[str, Any]:
+        """What changed in the prefix cache since earlier polls (see the module docstring)."""
+        return {}
 
     @abstractmethod
     def model_info(self) -> ModelInfo:

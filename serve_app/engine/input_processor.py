@@ -53,7 +53,9 @@ class InputProcessor:
         return list(prompt)
 
     def process(self, request: GenerateRequest) -> Request:
-        if request.messages is not None:
+        if request.prompt_token_ids is not None:  # tokenized by the ingress
+            token_ids = self.tokenize(list(request.prompt_token_ids))
+        elif request.messages is not None:
             token_ids = self.apply_chat_template(request.messages)
         else:
             token_ids = self.tokenize(request.prompt)
@@ -70,4 +72,5 @@ class InputProcessor:
             sampling_params=request.sampling_params,
             eos_token_id=self.eos_token_id,
             arrival_time=request.arrival_time,
+            cache_salt=request.cache_salt.encode() if request.cache_salt else None,
         )

@@ -39,6 +39,8 @@ class Request:
     num_preemptions: int = 0
     # prefix-cache hashes of this request's full blocks, extended as blocks fill up
     block_hashes: list[BlockHash] = field(default_factory=list)
+    # root of the hash chain: requests with different salts (tenants) never share cached blocks
+    cache_salt: bytes | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)

@@ -8,7 +8,8 @@ Called only through a `DeploymentHandle` (from `OpenAIIngress`):
 - `model_info()` → `ModelInfo` (served name, context length).
 - Ray Serve calls `record_routing_stats()` every `request_routing_stats_period_s` and hands the dict
   (`kv_cache_usage`, `num_free_blocks`, `num_total_blocks`, `num_waiting`, `num_running`,
-  `num_pending_prompt_tokens`, `sampled_at`)
+  `num_pending_prompt_tokens`, the step-cost fit, `sampled_at`, and the incremental prefix-cache
+  view `kv_*` of `serve_app.engine.kv_events`)
   to request routers (`serve_app.serving.router`); and `check_health()` every `health_check_period_s`: it raises once the engine loop died,
   and Serve replaces the replica.
 
@@ -150,7 +151,9 @@ class LLMServer:
         # `sampled_at` (this machine's wall clock) lets the router tell how old the sample is and which
         # of its requests the sample already includes; it also makes every sample differ, so Serve's
         # controller re-broadcasts each one (it only pushes changed stats)
-        return {**self.backend.routing_stats().as_dict(), "sampled_at": time.time()}
+        # the prefix-cache update (`kv_*` keys, serve_app.engine.kv_events) goes only here: it is
+        # incremental, and a probe calling `routing_stats()` must not consume a poll's delta
+        return {**self.backend.routing_stats().as_dict(), **self.backend.prefix_cache_update(), "sampled_at": time.time()}
 
     def check_health(self) -> None:
         self.backend.check_health()
