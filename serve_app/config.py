@@ -148,9 +148,12 @@ class ServeConfig:
     merge a stream's deltas that arrive within that interval into one item (the first token and the
     finish are never held): each streamed item costs CPU in the replica, the ingress and the proxy,
     which matters when engine steps are much shorter than the interval (GPUs).
-    Routing (DESIGN.md §6): `router` picks the LLMServer request router (`kv_aware`, Serve's `pow2`,
-    `round_robin`); `router_kwargs` tune the KV-aware one (weights, staleness bound; names in
+    Routing: `router` picks the LLMServer request router (`prefix_aware`: predicted time to first
+    token from each replica's published prefix cache; `kv_aware`: KV occupancy only; Serve's `pow2`;
+    `round_robin`); `router_kwargs` tune the first two (names in
     `serving.routing_policy.KVRouterSettings`); `request_router_class` plugs in any other router.
+    The ingress tokenizes prompts (`tokenize_in_ingress`) so that routers hash the engine's blocks;
+    `prefix_cache_salt: api_key` gives each API key (bearer token) its own prefix-cache namespace.
     Autoscaling: `autoscaling` (Serve's names: `min_replicas`, `max_replicas`,
     `target_ongoing_requests`, `upscale_delay_s`, ...; see `serving.autoscaling.AutoscalingSettings`)
     makes Serve scale LLMServer on load instead of running a fixed `num_replicas` (leave that unset).
@@ -168,7 +171,7 @@ class ServeConfig:
     max_ongoing_requests: int = 64
     max_queued_requests: int = 128
     request_routing_stats_period_s: float = 0.5
-    router: str = "kv_aware"  # kv_aware | pow2 (Serve's default) | round_robin (serve_app.serving.router)
+    router: str = "prefix_aware"  # prefix_aware | kv_aware | pow2 (Serve's default) | round_robin
     router_kwargs: tuple[tuple[str, Any], ...] = ()  # KVCacheAwareRouter options (routing_policy.KVRouterSettings)
     request_router_class: str = ""  # import path of another Serve RequestRouter; overrides `router`
     max_replicas_per_node: int = 0  # 0: no limit (1: one replica per node, e.g. one per GPU machine)
@@ -191,6 +194,8 @@ class ServeConfig:
     api_key: str = field(default="", repr=False)
     api_key_env: str = "SERVE_APP_API_KEY"
     log_requests: bool = False  # log prompts and outputs (off: only ids, sizes and timings)
+    tokenize_in_ingress: bool = True  # token ids travel with the request (needs the model's tokenizer files on ingress nodes)
+    prefix_cache_salt: str = "none"  # none (one shared prefix cache) | api_key (one per bearer token)
 
     def __post_init__(self) -> None:
         engine = self.engine.items() if isinstance(self.engine, dict) else self.engine
@@ -224,9 +229,10 @@ class ServeConfig:
         from serve_app.serving.routing_policy import ROUTER_CLASSES, KVRouterSettings  # no Ray import
 
         _require(self.router in ROUTER_CLASSES, "router", f"must be one of {tuple(ROUTER_CLASSES)}, got {self.router!r}")
+        _require(self.prefix_cache_salt in ("none", "api_key"), "prefix_cache_salt", "must be 'none' or 'api_key'")
         if self.router_kwargs:
-            _require(self.router == "kv_aware" and not self.request_router_class, "router_kwargs",
-                     "only the kv_aware router takes options")
+            _require(self.router in ("prefix_aware", "kv_aware") and not self.request_router_class, "router_kwargs",
+                     "only the prefix_aware and kv_aware routers take options")
             KVRouterSettings.from_kwargs(dict(self.router_kwargs))  # validates names and values
         _require(isinstance(self.max_replicas_per_node, int) and self.max_replicas_per_node >= 0,
                  "max_replicas_per_node", "must be an integer >= 0 (0: no limit)")

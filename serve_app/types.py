@@ -73,7 +73,8 @@ class GenerateRequest:
     those messages already tokenized (the ingress tokenizes once, so routers hash exactly the blocks
     the engine looks up): the engine uses them and does not tokenize again; `prompt`/`messages` then
     only describe the request (logs, routers that read text). `cache_salt` keeps the request's
-    cached prefix apart from those of other salts (tenants).
+    cached prefix apart from those of other salts (tenants). `user` (OpenAI's end-user id) is a
+    routing tie-break: a session's requests prefer the replica that served it.
     """
 
     request_id: str
@@ -83,6 +84,7 @@ class GenerateRequest:
     arrival_time: float = field(default_factory=time.monotonic)
     prompt_token_ids: tuple[int, ...] | None = None
     cache_salt: str | None = None
+    user: str | None = None
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.messages is None):

@@ -25,6 +25,8 @@ FINISH_REASON_LABEL = "finish_reason"
 # The LLMServer replica a router-side series is about. Not `replica`: under Ray Serve that label is
 # reserved and names the replica that *records* the metric (for the router: the ingress replica).
 TARGET_REPLICA_LABEL = "target_replica"
+ROUTING_REASON_LABEL = "reason"  # cache_hit | spill | load | fallback (serving.prefix_policy)
+PREDICTION_SOURCE_LABEL = "source"  # exact (replica's cache events) | approximate (router's own history)
 
 
 @dataclass(frozen=True)
@@ -131,13 +133,30 @@ ROUTER_ROUTED_REQUESTS = MetricSpec(
     "llm_router_routed_requests_total", "counter", "Requests the router sent to each LLMServer replica.",
     labels=(TARGET_REPLICA_LABEL,))
 
+ROUTER_DECISIONS = MetricSpec(
+    "llm_router_decisions_total", "counter",
+    "Routing decisions by reason: cache_hit (sent where its prefix is cached), spill (a replica holding "
+    "more of it was slower), load (no replica held any), fallback (stale statistics).",
+    labels=(ROUTING_REASON_LABEL,))
+# predicted − actual cached prompt tokens of one request (negative: the engine found more than predicted)
+ROUTER_CACHED_TOKENS_ERROR = MetricSpec(
+    "llm_router_cached_tokens_error", "histogram",
+    "Router's predicted minus the engine's actual cached prompt tokens, per request.",
+    labels=(PREDICTION_SOURCE_LABEL,),
+    buckets=(-4096, -1024, -256, -64, -16, -1, 0, 1, 16, 64, 256, 1024, 4096))
+ROUTER_CACHED_TOKENS_ABS_ERROR = MetricSpec(
+    "llm_router_cached_tokens_abs_error_total", "counter",
+    "Sum of |predicted − actual| cached prompt tokens over requests (÷ the histogram's count: the mean).",
+    labels=(PREDICTION_SOURCE_LABEL,))
+
 ENGINE_METRICS: tuple[MetricSpec, ...] = (
     STEP_BATCH_SIZE, STEP_NUM_TOKENS, STEP_DURATION,
     TIME_TO_FIRST_TOKEN, TIME_PER_OUTPUT_TOKEN, E2E_REQUEST_LATENCY, REQUEST_QUEUE_TIME,
     KV_CACHE_USAGE, NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING,
     NUM_PREEMPTIONS, PROMPT_TOKENS, GENERATION_TOKENS, PREFIX_CACHE_QUERIES, PREFIX_CACHE_HITS, REQUEST_SUCCESS,
 )
-ROUTER_METRICS: tuple[MetricSpec, ...] = (ROUTER_STATS_AGE, ROUTER_ROUTED_REQUESTS)
+ROUTER_METRICS: tuple[MetricSpec, ...] = (ROUTER_STATS_AGE, ROUTER_ROUTED_REQUESTS, ROUTER_DECISIONS,
+                                          ROUTER_CACHED_TOKENS_ERROR, ROUTER_CACHED_TOKENS_ABS_ERROR)
 ALL_METRICS: tuple[MetricSpec, ...] = ENGINE_METRICS + ROUTER_METRICS
 BY_NAME: dict[str, MetricSpec] = {m.name: m for m in ALL_METRICS}
 

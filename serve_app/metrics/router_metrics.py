@@ -6,6 +6,9 @@
 - `llm_router_stats_age_seconds{target_replica}`: how old the occupancy sample was that the router
   used for that replica at its latest decision (None: it had no sample, nothing is set).
 - `llm_router_routed_requests_total{target_replica}`: requests sent to each replica.
+- `llm_router_decisions_total{reason}`: decisions by reason (prefix-aware router).
+- `llm_router_cached_tokens_error{source}` (histogram) and `..._abs_error_total{source}`: predicted −
+  actual cached prompt tokens per request, once the replica reported what its engine found.
 
 `target_replica` should be the LLMServer replica's unique id (`RunningReplica.replica_id.unique_id`),
 the value Ray Serve puts in the `replica` label of that replica's own metrics, so that dashboards can
@@ -33,6 +36,9 @@ class RouterMetrics:
         self.num_errors = 0
         self._age = make(names.ROUTER_STATS_AGE)
         self._routed = make(names.ROUTER_ROUTED_REQUESTS)
+        self._decisions = make(names.ROUTER_DECISIONS)
+        self._error = make(names.ROUTER_CACHED_TOKENS_ERROR)
+        self._abs_error = make(names.ROUTER_CACHED_TOKENS_ABS_ERROR)
         self._labels: dict[str, dict[str, str]] = {}
 
     @classmethod
@@ -75,6 +81,24 @@ class RouterMetrics:
             self._routed.inc(1, labels)
             if stats_age_s is not None:
                 self._age.set(max(float(stats_age_s), 0.0), labels)
+        except Exception:  # noqa: BLE001
+            self._on_error()
+
+    def record_decision(self, reason: str) -> None:
+        try:
+            self._decisions.inc(1, {names.ROUTING_REASON_LABEL: reason})
+        except Exception:  # noqa: BLE001
+            self._on_error()
+
+    def record_prediction(self, predicted_tokens: int, actual_tokens: int, source: str = "exact") -> None:
+        """One request's predicted vs the engine's actual cached prompt tokens."""
+        try:
+            labels = {names.PREDICTION_SOURCE_LABEL: source}
+            self._error.observe(predicted_tokens - actual_tokens, labels)
+            if predicted_tokens != actual_tokens:  # Ray's counters take positive increments only
+                self._abs_error.inc(abs(predicted_tokens - actual_tokens), labels)
+            else:
+                self._abs_error.touch(labels)
         except Exception:  # noqa: BLE001
             self._on_error()
 

@@ -2,12 +2,16 @@
 
 The FastAPI app is built per replica (`__serve_build_asgi_app__`) from the `ServeConfig`, so nothing
 lives in module globals. The constructor waits until an LLMServer replica answers `model_info()`,
-so a RUNNING ingress means the API can serve; it then logs the URL clients use.
+so a RUNNING ingress means the API can serve; it then logs the URL clients use. With
+`tokenize_in_ingress` it loads the model's tokenizer through the engine's own `InputProcessor`, and
+prompts are tokenized here, once (the router hashes those ids; replicas do not tokenize again).
 """
 
 from __future__ import annotations
 
+import json
 import logging
+from pathlib import Path
 
 from fastapi import FastAPI
 from ray import serve
@@ -19,13 +23,24 @@ from serve_app.serving.api import OpenAIAPI, build_fastapi_app
 logger = logging.getLogger("ray.serve")
 
 
+def make_input_processor(config: ServeConfig, max_model_len: int):
+    """The engine's `InputProcessor` for the served model, or None (`tokenize_in_ingress` off, or no
+    tokenizer files: the replicas then tokenize)."""
+    if not config.tokenize_in_ingress or not (Path(config.model) / "tokenizer.json").is_file():
+        return None
+    from serve_app.engine.input_processor import InputProcessor  # loads transformers, in the replica only
+
+    vocab_size = int(json.loads((Path(config.model) / "config.json").read_text())["vocab_size"])
+    return InputProcessor(config.model, vocab_size, max_model_len, None)
+
+
 @serve.deployment(name="OpenAIIngress")
 @serve.ingress()
 class OpenAIIngress:
     async def __init__(self, llm: DeploymentHandle, config: ServeConfig, api_key: str = "") -> None:
         self._api_key = api_key
         info = await llm.model_info.remote()
-        self.api = OpenAIAPI(llm, config, info)
+        self.api = OpenAIAPI(llm, config, info, make_input_processor(config, info.max_model_len))
         logger.info("OpenAI-compatible API ready: model %r (context %d tokens, backend %s)",
                     info.name, info.max_model_len, info.backend)
 

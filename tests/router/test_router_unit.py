@@ -485,10 +485,14 @@ def test_round_robin_rotates_and_passes_a_full_turn_on():
 # ---- configuration ------------------------------------------------------------------------------------
 def test_router_selection_by_config():
     model = "models/whatever"
-    kv = request_router_config(ServeConfig(model=model, router_kwargs={"waiting_weight": 0.5}))
+    kv = request_router_config(ServeConfig(model=model, router="kv_aware", router_kwargs={"waiting_weight": 0.5}))
     assert kv.request_router_class == ROUTER_CLASSES["kv_aware"]
     assert kv.request_router_kwargs == {"model_name": "whatever", "block_size": 16, "stats_period_s": 0.5,
-                                        "waiting_weight": 0.5}
+                                        "confirmed_ttl_s": 660.0, "waiting_weight": 0.5}
+    # the default: the prefix-aware router, with the engine's step budget
+    prefix = request_router_config(ServeConfig(model=model))
+    assert prefix.request_router_class == ROUTER_CLASSES["prefix_aware"]
+    assert prefix.request_router_kwargs["step_token_budget"] == 2048
     assert kv.request_routing_stats_period_s == 0.5
     rr = request_router_config(ServeConfig(model=model, router="round_robin"))
     assert rr.request_router_class == ROUTER_CLASSES["round_robin"] and rr.request_router_kwargs == {"model_name": "whatever"}
