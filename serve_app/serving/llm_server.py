@@ -47,16 +47,18 @@ class GenerationChunk:
     finished: bool
     finish_reason: str | None  # "stop" | "length" | "abort" on the last chunk
     num_prompt_tokens: int
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (set on the last chunk)
 
     @classmethod
     def from_output(cls, out: RequestOutput) -> GenerationChunk:
         reason = None if out.finish_reason is None else str(out.finish_reason)
-        return cls(out.text, tuple(out.token_ids), out.finished, reason, out.num_prompt_tokens)
+        cached = out.metrics.num_cached_tokens if out.finished and out.metrics is not None else 0
+        return cls(out.text, tuple(out.token_ids), out.finished, reason, out.num_prompt_tokens, cached)
 
     def merge(self, later: GenerationChunk) -> GenerationChunk:
         """This delta followed by a later one, as a single delta."""
         return GenerationChunk(self.text + later.text, self.token_ids + later.token_ids, later.finished,
-                               later.finish_reason, later.num_prompt_tokens)
+                               later.finish_reason, later.num_prompt_tokens, later.num_cached_tokens)
 
 
 async def batch_stream(outputs: AsyncIterator[RequestOutput], interval_s: float) -> AsyncIterator[GenerationChunk]:

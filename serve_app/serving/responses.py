@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from serve_app.serving.llm_server import GenerationChunk
 
@@ -32,6 +32,7 @@ class ChoiceState:
     parts: list[str] = field(default_factory=list)
     num_tokens: int = 0
     num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
     finish_reason: str | None = None
 
     def add(self, chunk: GenerationChunk) -> None:
@@ -41,18 +42,22 @@ class ChoiceState:
         self.num_prompt_tokens = chunk.num_prompt_tokens
         if chunk.finished:
             self.finish_reason = chunk.finish_reason
+            self.num_cached_tokens = chunk.num_cached_tokens
 
     @property
     def text(self) -> str:
         return "".join(self.parts)
 
 
-def usage(choices: list[ChoiceState]) -> dict[str, int]:
-    """Prompt tokens count once per prompt (not once per choice of `n`), as OpenAI does."""
+def usage(choices: list[ChoiceState]) -> dict[str, Any]:
+    """Prompt tokens count once per prompt (not once per choice of `n`), as OpenAI does; so do the
+    prompt tokens served from the prefix cache (`prompt_tokens_details.cached_tokens`, OpenAI's field)."""
     prompt = {c.prompt_index: c.num_prompt_tokens for c in choices}
+    cached = {c.prompt_index: c.num_cached_tokens for c in choices}
     prompt_tokens = sum(prompt.values())
     completion_tokens = sum(c.num_tokens for c in choices)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": sum(cached.values())}}
 
 
 class ResponseBuilder:
