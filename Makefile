@@ -42,6 +42,15 @@ BENCH_ROUTING_ARGS ?=
 bench-routing: install model
 	$(PY) loadtest/bench_routing.py $(BENCH_ROUTING_ARGS)
 
+# W4: prefix-aware vs occupancy-only vs pow2 vs round robin vs Ray's PrefixCacheAffinityRouter
+# → reports/prefix_routing.{json,md,png}. Installs pyarrow (the benchmark-only `bench-prefix` extra:
+# importing Ray's router needs it). BENCH_PREFIX_ARGS=--quick: one seed, half the requests, a few minutes.
+BENCH_PREFIX_ARGS ?=
+.PHONY: bench-prefix
+bench-prefix: install model
+	$(VENV)/bin/pip install -q "pyarrow==25.0.1"
+	$(PY) loadtest/bench_prefix.py $(BENCH_PREFIX_ARGS)
+
 chat: install model
 	$(PY) -m serve_app.engine.chat --model $(MODEL_DIR)
 

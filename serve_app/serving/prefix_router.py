@@ -17,6 +17,7 @@ router sent there, never told of evictions): their predictions are labelled `app
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, RunningReplica
@@ -52,7 +53,8 @@ class PrefixAwareRouter(KVCacheAwareRouter):
         # internal id → (request, chosen replica, predicted cached tokens by replica), until Serve confirms
         self._choices: dict[str, tuple[Any, str, dict[str, int]]] = {}
         self.predictions: dict[str, tuple[int, str, float]] = {}  # request id → (predicted cached tokens, source, at)
-        self.prediction_errors: list[tuple[int, int, int]] = []  # (predicted, actual, prompt tokens), newest last
+        # request id → (predicted, actual cached tokens, prompt tokens), the newest 10k (tests, benchmarks)
+        self.matched_predictions: OrderedDict[str, tuple[int, int, int]] = OrderedDict()
         self.last_candidates: list[PrefixCandidate] = []
 
     def initialize_state(self, **kwargs: Any) -> None:
@@ -71,15 +73,16 @@ class PrefixAwareRouter(KVCacheAwareRouter):
         for request_id, actual, prompt_tokens in stats.get("cached_tokens", ()):
             predicted = self.predictions.pop(request_id, None)
             if predicted is not None:
-                self._record_prediction(predicted[0], int(actual), int(prompt_tokens), predicted[1])
+                self._record_prediction(request_id, predicted[0], int(actual), int(prompt_tokens), predicted[1])
         sampled_at = stats.get("sampled_at")
         if sampled_at is not None and self.index.tracks(replica_id):
             in_flight = self.ledger.by_replica.get(replica_id, {})
             self.recent.prune(replica_id, float(sampled_at) - self.settings.sample_lag_s, in_flight)
 
-    def _record_prediction(self, predicted: int, actual: int, prompt_tokens: int, source: str) -> None:
-        self.prediction_errors.append((predicted, actual, prompt_tokens))
-        del self.prediction_errors[:-1000]
+    def _record_prediction(self, request_id: str, predicted: int, actual: int, prompt_tokens: int, source: str) -> None:
+        self.matched_predictions[request_id] = (predicted, actual, prompt_tokens)
+        while len(self.matched_predictions) > 10_000:
+            self.matched_predictions.popitem(last=False)
         if self.metrics is not None:
             self.metrics.record_prediction(predicted, actual, source)
 
