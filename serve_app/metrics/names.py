@@ -136,18 +136,18 @@ ROUTER_ROUTED_REQUESTS = MetricSpec(
 ROUTER_DECISIONS = MetricSpec(
     "llm_router_decisions_total", "counter",
     "Routing decisions by reason: cache_hit (sent where its prefix is cached), spill (a replica holding "
-    "more of it was slower), load (no replica held any), fallback (stale statistics).",
-    labels=(ROUTING_REASON_LABEL,))
+    "more of it was slower), load (no replica held any), fallback (stale statistics); by chosen replica.",
+    labels=(ROUTING_REASON_LABEL, TARGET_REPLICA_LABEL))
 # predicted − actual cached prompt tokens of one request (negative: the engine found more than predicted)
 ROUTER_CACHED_TOKENS_ERROR = MetricSpec(
     "llm_router_cached_tokens_error", "histogram",
     "Router's predicted minus the engine's actual cached prompt tokens, per request.",
-    labels=(PREDICTION_SOURCE_LABEL,),
+    labels=(PREDICTION_SOURCE_LABEL, TARGET_REPLICA_LABEL),
     buckets=(-4096, -1024, -256, -64, -16, -1, 0, 1, 16, 64, 256, 1024, 4096))
 ROUTER_CACHED_TOKENS_ABS_ERROR = MetricSpec(
     "llm_router_cached_tokens_abs_error_total", "counter",
     "Sum of |predicted − actual| cached prompt tokens over requests (÷ the histogram's count: the mean).",
-    labels=(PREDICTION_SOURCE_LABEL,))
+    labels=(PREDICTION_SOURCE_LABEL, TARGET_REPLICA_LABEL))
 
 ENGINE_METRICS: tuple[MetricSpec, ...] = (
     STEP_BATCH_SIZE, STEP_NUM_TOKENS, STEP_DURATION,

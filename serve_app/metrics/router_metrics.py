@@ -6,8 +6,8 @@
 - `llm_router_stats_age_seconds{target_replica}`: how old the occupancy sample was that the router
   used for that replica at its latest decision (None: it had no sample, nothing is set).
 - `llm_router_routed_requests_total{target_replica}`: requests sent to each replica.
-- `llm_router_decisions_total{reason}`: decisions by reason (prefix-aware router).
-- `llm_router_cached_tokens_error{source}` (histogram) and `..._abs_error_total{source}`: predicted −
+- `llm_router_decisions_total{reason,target_replica}`: decisions by reason (prefix-aware router).
+- `llm_router_cached_tokens_error{source,target_replica}` (histogram) and `..._abs_error_total`: predicted −
   actual cached prompt tokens per request, once the replica reported what its engine found.
 
 `target_replica` should be the LLMServer replica's unique id (`RunningReplica.replica_id.unique_id`),
@@ -84,16 +84,16 @@ class RouterMetrics:
         except Exception:  # noqa: BLE001
             self._on_error()
 
-    def record_decision(self, reason: str) -> None:
+    def record_decision(self, reason: str, replica_id: str) -> None:
         try:
-            self._decisions.inc(1, {names.ROUTING_REASON_LABEL: reason})
+            self._decisions.inc(1, {**self._target(replica_id), names.ROUTING_REASON_LABEL: reason})
         except Exception:  # noqa: BLE001
             self._on_error()
 
-    def record_prediction(self, predicted_tokens: int, actual_tokens: int, source: str = "exact") -> None:
-        """One request's predicted vs the engine's actual cached prompt tokens."""
+    def record_prediction(self, replica_id: str, predicted_tokens: int, actual_tokens: int, source: str = "exact") -> None:
+        """One request's predicted vs the engine's actual cached prompt tokens on `replica_id`."""
         try:
-            labels = {names.PREDICTION_SOURCE_LABEL: source}
+            labels = {**self._target(replica_id), names.PREDICTION_SOURCE_LABEL: source}
             self._error.observe(predicted_tokens - actual_tokens, labels)
             if predicted_tokens != actual_tokens:  # Ray's counters take positive increments only
                 self._abs_error.inc(abs(predicted_tokens - actual_tokens), labels)

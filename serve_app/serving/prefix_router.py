@@ -73,18 +73,19 @@ class PrefixAwareRouter(KVCacheAwareRouter):
         for request_id, actual, prompt_tokens in stats.get("cached_tokens", ()):
             predicted = self.predictions.pop(request_id, None)
             if predicted is not None:
-                self._record_prediction(request_id, predicted[0], int(actual), int(prompt_tokens), predicted[1])
+                self._record_prediction(replica_id, request_id, predicted[0], int(actual), int(prompt_tokens), predicted[1])
         sampled_at = stats.get("sampled_at")
         if sampled_at is not None and self.index.tracks(replica_id):
             in_flight = self.ledger.by_replica.get(replica_id, {})
             self.recent.prune(replica_id, float(sampled_at) - self.settings.sample_lag_s, in_flight)
 
-    def _record_prediction(self, request_id: str, predicted: int, actual: int, prompt_tokens: int, source: str) -> None:
+    def _record_prediction(self, replica_id: str, request_id: str, predicted: int, actual: int, prompt_tokens: int,
+                           source: str) -> None:
         self.matched_predictions[request_id] = (predicted, actual, prompt_tokens)
         while len(self.matched_predictions) > 10_000:
             self.matched_predictions.popitem(last=False)
         if self.metrics is not None:
-            self.metrics.record_prediction(predicted, actual, source)
+            self.metrics.record_prediction(replica_id, predicted, actual, source)
 
     # ---- decisions ------------------------------------------------------------------------------
     def _request_keys(self, request: Any) -> list[int] | None:
@@ -136,7 +137,7 @@ class PrefixAwareRouter(KVCacheAwareRouter):
             uncached = {c.view.replica_id: num_tokens - c.cached_tokens for c in ordered}
         self.num_decisions[reason] += 1
         if self.metrics is not None:
-            self.metrics.record_decision(reason)
+            self.metrics.record_decision(reason, order[0])
         self.last_ranking = sorted(views, key=lambda v: order.index(v.replica_id))
         if pending_request is not None:
             # reserve now (concurrent decisions see it); Serve confirms it in on_request_routed
