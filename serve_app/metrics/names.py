@@ -138,15 +138,18 @@ ROUTER_DECISIONS = MetricSpec(
     "Routing decisions by reason: cache_hit (sent where its prefix is cached), spill (a replica holding "
     "more of it was slower), load (no replica held any), fallback (stale statistics); by chosen replica.",
     labels=(ROUTING_REASON_LABEL, TARGET_REPLICA_LABEL))
-# predicted − actual cached prompt tokens of one request (negative: the engine found more than predicted)
-ROUTER_CACHED_TOKENS_ERROR = MetricSpec(
-    "llm_router_cached_tokens_error", "histogram",
-    "Router's predicted minus the engine's actual cached prompt tokens, per request.",
-    labels=(PREDICTION_SOURCE_LABEL, TARGET_REPLICA_LABEL),
-    buckets=(-4096, -1024, -256, -64, -16, -1, 0, 1, 16, 64, 256, 1024, 4096))
 ROUTER_CACHED_TOKENS_ABS_ERROR = MetricSpec(
-    "llm_router_cached_tokens_abs_error_total", "counter",
-    "Sum of |predicted − actual| cached prompt tokens over requests (÷ the histogram's count: the mean).",
+    "llm_router_cached_tokens_abs_error", "histogram",
+    "|Router's predicted - the engine's actual| cached prompt tokens, per request (le=0.5: exact).",
+    labels=(PREDICTION_SOURCE_LABEL, TARGET_REPLICA_LABEL),
+    buckets=(0.5, 16, 64, 256, 1024, 4096, 16384))
+ROUTER_PREDICTED_CACHED_TOKENS = MetricSpec(
+    "llm_router_predicted_cached_tokens_total", "counter",
+    "Cached prompt tokens the router predicted, over requests whose actual count was reported.",
+    labels=(PREDICTION_SOURCE_LABEL, TARGET_REPLICA_LABEL))
+ROUTER_ACTUAL_CACHED_TOKENS = MetricSpec(
+    "llm_router_actual_cached_tokens_total", "counter",
+    "Cached prompt tokens the engines reported, for the same requests (predicted - actual: the signed error).",
     labels=(PREDICTION_SOURCE_LABEL, TARGET_REPLICA_LABEL))
 
 ENGINE_METRICS: tuple[MetricSpec, ...] = (
@@ -155,8 +158,8 @@ ENGINE_METRICS: tuple[MetricSpec, ...] = (
     KV_CACHE_USAGE, NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING,
     NUM_PREEMPTIONS, PROMPT_TOKENS, GENERATION_TOKENS, PREFIX_CACHE_QUERIES, PREFIX_CACHE_HITS, REQUEST_SUCCESS,
 )
-ROUTER_METRICS: tuple[MetricSpec, ...] = (ROUTER_STATS_AGE, ROUTER_ROUTED_REQUESTS, ROUTER_DECISIONS,
-                                          ROUTER_CACHED_TOKENS_ERROR, ROUTER_CACHED_TOKENS_ABS_ERROR)
+ROUTER_METRICS: tuple[MetricSpec, ...] = (ROUTER_STATS_AGE, ROUTER_ROUTED_REQUESTS, ROUTER_DECISIONS, ROUTER_CACHED_TOKENS_ABS_ERROR,
+                                          ROUTER_PREDICTED_CACHED_TOKENS, ROUTER_ACTUAL_CACHED_TOKENS)
 ALL_METRICS: tuple[MetricSpec, ...] = ENGINE_METRICS + ROUTER_METRICS
 BY_NAME: dict[str, MetricSpec] = {m.name: m for m in ALL_METRICS}
 

@@ -37,8 +37,9 @@ class RouterMetrics:
         self._age = make(names.ROUTER_STATS_AGE)
         self._routed = make(names.ROUTER_ROUTED_REQUESTS)
         self._decisions = make(names.ROUTER_DECISIONS)
-        self._error = make(names.ROUTER_CACHED_TOKENS_ERROR)
         self._abs_error = make(names.ROUTER_CACHED_TOKENS_ABS_ERROR)
+        self._predicted = make(names.ROUTER_PREDICTED_CACHED_TOKENS)
+        self._actual = make(names.ROUTER_ACTUAL_CACHED_TOKENS)
         self._labels: dict[str, dict[str, str]] = {}
 
     @classmethod
@@ -94,11 +95,12 @@ class RouterMetrics:
         """One request's predicted vs the engine's actual cached prompt tokens on `replica_id`."""
         try:
             labels = {**self._target(replica_id), names.PREDICTION_SOURCE_LABEL: source}
-            self._error.observe(predicted_tokens - actual_tokens, labels)
-            if predicted_tokens != actual_tokens:  # Ray's counters take positive increments only
-                self._abs_error.inc(abs(predicted_tokens - actual_tokens), labels)
-            else:
-                self._abs_error.touch(labels)
+            self._abs_error.observe(abs(predicted_tokens - actual_tokens), labels)
+            for counter, value in ((self._predicted, predicted_tokens), (self._actual, actual_tokens)):
+                if value > 0:  # Ray's counters take positive increments only
+                    counter.inc(value, labels)
+                else:
+                    counter.touch(labels)
         except Exception:  # noqa: BLE001
             self._on_error()
 

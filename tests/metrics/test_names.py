@@ -34,11 +34,14 @@ DESIGN_TABLE = {
 def test_names_are_the_design_table():
     assert {m.name: m.kind for m in names.ENGINE_METRICS + (names.ROUTER_STATS_AGE,)} == DESIGN_TABLE
     extra = {m.name for m in names.ALL_METRICS} - set(DESIGN_TABLE)
-    assert extra == {"llm_router_routed_requests_total", "llm_router_decisions_total", "llm_router_cached_tokens_error",
-                     "llm_router_cached_tokens_abs_error_total"}
+    assert extra == {"llm_router_routed_requests_total", "llm_router_decisions_total", "llm_router_cached_tokens_abs_error",
+                     "llm_router_predicted_cached_tokens_total", "llm_router_actual_cached_tokens_total"}
     assert len({m.name for m in names.ALL_METRICS}) == len(names.ALL_METRICS)
     assert names.REQUEST_SUCCESS.labels == ("finish_reason",)
     assert all(m.label_names[0] == "model" for m in names.ALL_METRICS)
+    assert all(m.help.isascii() for m in names.ALL_METRICS)  # Ray's metrics refuse anything else
+    # Ray's histograms take positive bucket boundaries only
+    assert all(m.buckets[0] > 0 for m in names.ALL_METRICS if m.kind == "histogram")
 
 
 def test_buckets():

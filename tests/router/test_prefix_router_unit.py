@@ -76,7 +76,7 @@ def test_a_cached_prefix_attracts_its_group_and_predicts_the_hit():
         await router.choose_replicas([a, b], None)
         assert router.matched_predictions == {"q1": (64, 64, 72)} and "q1" not in router.predictions
         registry = router.metrics.registry
-        assert registry.get_sample_value("llm_router_cached_tokens_error_count", {"model": "unknown", "source": "exact", "target_replica": "b"}) == 1
+        assert registry.get_sample_value("llm_router_cached_tokens_abs_error_count", {"model": "unknown", "source": "exact", "target_replica": "b"}) == 1
         assert registry.get_sample_value("llm_router_decisions_total", {"model": "unknown", "reason": "cache_hit", "target_replica": "b"}) == 1
 
     run(main())
