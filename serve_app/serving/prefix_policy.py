@@ -20,8 +20,11 @@ one). Replicas are ranked by TTFT_r; the KV occupancy projection of the occupanc
 `max_occupancy` (forcing preemption) ranks after every replica that has room. "Stick to the warm
 replica until the cold one is faster" falls out: a hot prefix spills to a second replica once the
 first one's queue costs more than reading the prefix again, and then it is cached there too.
-Costs within `ttft_tie_tolerance_s` are ties, broken by the replica that last served the request's
-`user` (a session), then by fewer requests waiting, then at random (several routers do not herd).
+Costs within `ttft_tie_ratio` × the best + `ttft_tie_tolerance_s` are ties, broken by the replica that
+last served the request's `user` (a session), then by more cached tokens, then by rendezvous hashing
+of the prompt's first `affinity_blocks` blocks over the replica ids: with nothing cached anywhere yet
+(or not yet published), every router — one per ingress replica — independently sends prompts that
+start alike to the same replica, and different prompts spread evenly (no herding, no scatter).
 
 Each decision has a reason (metrics): `cache_hit` (sent where its prefix is cached), `spill`
 (another replica held more of its prefix but was slower), `load` (no replica held any of it),
@@ -30,6 +33,7 @@ Each decision has a reason (metrics): `cache_hit` (sent where its prefix is cach
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections import Counter, OrderedDict, deque
 from collections.abc import Container, Sequence
@@ -80,8 +84,19 @@ def make_candidate(view: ReplicaView, cached_blocks: int, num_prompt_tokens: int
     return PrefixCandidate(view, cached, queued, ttft, after, after <= settings.max_occupancy)
 
 
+def affinity(keys: Sequence[int], replica_ids: Sequence[str], affinity_blocks: int) -> dict[str, float]:
+    """Rendezvous-hash weight of each replica for a prompt (the same in every router and process);
+    lower wins. Prompts shorter than a block get no affinity (all 0)."""
+    if not keys:
+        return dict.fromkeys(replica_ids, 0.0)
+    anchor = keys[min(len(keys), affinity_blocks) - 1]
+    return {r: int.from_bytes(hashlib.blake2b(f"{anchor}:{r}".encode(), digest_size=8).digest(), "little") / 2**64
+            for r in replica_ids}
+
+
 def rank_by_ttft(candidates: Sequence[PrefixCandidate], settings: KVRouterSettings, noise: dict[str, float],
                  sticky_replica: str | None = None) -> tuple[list[PrefixCandidate], str]:
+    """`noise`: the last tie-break per replica (`affinity`, or random)."""
     """Best first, and the decision's reason (see module docstring; not `fallback`, which the caller
     decides when statistics are stale)."""
     if not candidates:
@@ -95,10 +110,8 @@ def rank_by_ttft(candidates: Sequence[PrefixCandidate], settings: KVRouterSettin
     ordered = sorted(candidates, key=key)
     best = ordered[0]
     tied = [c for c in ordered if (c.has_room or not some_room) == (best.has_room or not some_room)
-            and c.ttft_s <= best.ttft_s + settings.ttft_tie_tolerance_s]
-    tied.sort(key=lambda c: (c.view.replica_id != sticky_replica, -c.cached_tokens,
-                             c.view.sample.num_waiting + c.view.pending_requests if c.view.sample else 0,
-                             noise.get(c.view.replica_id, 0.0)))
+            and c.ttft_s <= best.ttft_s * (1 + settings.ttft_tie_ratio) + settings.ttft_tie_tolerance_s]
+    tied.sort(key=lambda c: (c.view.replica_id != sticky_replica, -c.cached_tokens, noise.get(c.view.replica_id, 0.0)))
     ordered = tied + [c for c in ordered if c not in tied]
     chosen = ordered[0]
     most_cached = max(c.cached_tokens for c in candidates)

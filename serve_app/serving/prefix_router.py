@@ -28,6 +28,7 @@ from serve_app.serving.prefix_policy import (
     PrefixCandidate,
     RecentPrefixes,
     StickyUsers,
+    affinity,
     make_candidate,
     max_cacheable_blocks,
     rank_by_ttft,
@@ -129,7 +130,7 @@ class PrefixAwareRouter(KVCacheAwareRouter):
             blocks = estimate_request_blocks(request, self.settings)
             candidates = [make_candidate(v, self._cached_blocks(v.replica_id, keys), num_tokens, blocks, self.settings)
                           for v in views]
-            noise = {v.replica_id: self._rng.random() for v in views}
+            noise = affinity(keys, [v.replica_id for v in views], self.settings.affinity_blocks)
             ordered, reason = rank_by_ttft(candidates, self.settings, noise, self.users.get(request.user))
             self.last_candidates = ordered
             order = [c.view.replica_id for c in ordered]

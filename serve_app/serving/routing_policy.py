@@ -99,7 +99,9 @@ class KVRouterSettings:
     default_decode_s_per_token: float = 0.001
     default_step_fixed_s: float = 0.02
     max_occupancy: float = 1.0  # a projection above this forces preemption: only if no replica has room
-    ttft_tie_tolerance_s: float = 0.01  # predicted TTFTs this close are ties (user, then queue, then random)
+    ttft_tie_tolerance_s: float = 0.01  # predicted TTFTs within ratio × best + this are ties (user, cached, affinity)
+    ttft_tie_ratio: float = 0.1
+    affinity_blocks: int = 4  # ties go by a rendezvous hash of the prompt's first this many blocks
     metrics: str = "ray"  # "ray" (ray.serve.metrics), "prometheus" (own registry, for tests) or "none"
     seed: int | None = None  # random tie-break among equal replicas
 
@@ -107,13 +109,13 @@ class KVRouterSettings:
         _require(isinstance(self.block_size, int) and self.block_size >= 1, "block_size", "must be an integer >= 1")
         for name in ("prompt_weight", "output_weight", "waiting_weight", "prefill_weight", "tie_tolerance", "sample_lag_s",
                      "max_stats_age_s", "default_prefill_s_per_token", "default_decode_s_per_token", "default_step_fixed_s",
-                     "ttft_tie_tolerance_s"):
+                     "ttft_tie_tolerance_s", "ttft_tie_ratio"):
             value = getattr(self, name)
             _require(isinstance(value, int | float) and value >= 0 and math.isfinite(value), name, "must be a finite number >= 0")
         _require(isinstance(self.max_expected_output_tokens, int) and self.max_expected_output_tokens >= 0,
                  "max_expected_output_tokens", "must be an integer >= 0")
-        _require(isinstance(self.step_token_budget, int) and self.step_token_budget >= 1, "step_token_budget",
-                 "must be an integer >= 1")
+        for name in ("step_token_budget", "affinity_blocks"):
+            _require(isinstance(getattr(self, name), int) and getattr(self, name) >= 1, name, "must be an integer >= 1")
         for name in ("chars_per_token", "stats_period_s", "reservation_ttl_s", "confirmed_ttl_s", "max_occupancy"):
             value = getattr(self, name)
             _require(isinstance(value, int | float) and value > 0, name, "must be > 0")

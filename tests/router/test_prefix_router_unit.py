@@ -245,5 +245,10 @@ def test_two_routers_sharing_the_samples_do_not_herd():
             chosen = await route(routers[i % 2], [a, b], pending(ask(f"d{i}", i, prefix=list(range(3000 + 64 * i, 3064 + 64 * i)))))
             counts[chosen.replica_id.unique_id] += 1
         assert min(counts.values()) >= 8, counts
+        # nothing published yet about a new prefix: both routers still send its group to one replica
+        for prefix in (list(range(9000, 9064)), list(range(9500, 9564)), list(range(9900, 9964))):
+            chosen = {(await route(routers[i % 2], [a, b], pending(ask(f"g{prefix[0]}-{i}", i, prefix=prefix)))).name
+                      for i in range(4)}
+            assert len(chosen) == 1, (prefix[0], chosen)
 
     run(main())
