@@ -68,7 +68,9 @@ def fit_step_cost(steps: list[tuple[int, int, float]]) -> StepCost | None:
 
     When the window does not tell prompt and decode tokens apart (e.g. only decode steps, or both
     always in the same proportion) both get the slope on total tokens; when every step computed the
-    same number of tokens, the mean step time is spread over them (no fixed part). None if empty.
+    same number of tokens, or the fit says a token costs nothing or less (noise: a machine shared
+    with other work), the step time is taken as proportional to its tokens (no fixed part), a
+    per-token cost that is always positive. None if empty.
     """
     if not steps:
         return None
@@ -76,18 +78,18 @@ def fit_step_cost(steps: list[tuple[int, int, float]]) -> StepCost | None:
     prefill = [float(p) for p, _, _ in steps]
     decode = [float(d) for _, d, _ in steps]
     y = [t for _, _, t in steps]
+    total = [p + d for p, d in zip(prefill, decode, strict=True)]
     coef = _solve_least_squares([ones, prefill, decode], y)
     if coef is not None:
         fixed, per_prefill, per_decode = coef
     else:
-        total = [p + d for p, d in zip(prefill, decode, strict=True)]
         coef = _solve_least_squares([ones, total], y)
-        if coef is not None:
-            fixed, per_prefill = coef
-        else:
-            fixed, per_prefill = 0.0, sum(y) / max(sum(total), 1.0)
+        fixed, per_prefill = coef if coef is not None else (0.0, 0.0)
         per_decode = per_prefill
-    return StepCost(max(fixed, 0.0), max(per_prefill, 0.0), max(per_decode, 0.0), len(steps))
+    if per_prefill <= 0 or per_decode <= 0:
+        fixed = 0.0
+        per_prefill = per_decode = sum(t * v for t, v in zip(total, y, strict=True)) / max(sum(t * t for t in total), 1.0)
+    return StepCost(max(fixed, 0.0), per_prefill, per_decode, len(steps))
 
 
 def _solve_least_squares(columns: list[list[float]], y: list[float]) -> list[float] | None:

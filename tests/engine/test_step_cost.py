@@ -41,8 +41,10 @@ def test_undetermined_coefficients_fall_back():
     same_shape = fit_step_cost([(0, 4, 0.02), (0, 4, 0.04)])
     assert same_shape.fixed_s == 0 and same_shape.per_decode_token_s == pytest.approx(0.03 / 4)
     assert fit_step_cost([]) is None
-    negative = fit_step_cost([(0, 1, 0.01), (0, 2, 0.009), (0, 3, 0.008), (10, 1, 0.02)])
-    assert min(negative.fixed_s, negative.per_prefill_token_s, negative.per_decode_token_s) >= 0
+    # noise (a shared machine) can make tokens look free or cheaper than nothing: the step time is then
+    # taken as proportional to its tokens, so a token always costs something
+    noisy = fit_step_cost([(0, 1, 1.9), (0, 2, 1.7), (0, 3, 1.8), (10, 1, 1.75), (64, 2, 1.8)])
+    assert noisy.fixed_s == 0 and noisy.per_prefill_token_s > 0 and noisy.per_decode_token_s == noisy.per_prefill_token_s
 
 
 def test_observe_and_cost_from_two_threads():
