@@ -104,7 +104,7 @@ class KVCachePublisher:
     """Builds the routing-stats update at each poll (see module docstring); not thread-safe (one
     caller: the replica's event loop)."""
 
-    def __init__(self, log: KVEventLog, block_size: int, window_polls: int = 8, snapshot_every_polls: int = 20) -> None:
+    def __init__(self, log: KVEventLog, block_size: int, window_polls: int = 25, snapshot_every_polls: int = 10) -> None:
         if window_polls < 1 or snapshot_every_polls < 1:
             raise ValueError("window_polls, snapshot_every_polls: must be >= 1")
         self.log = log

@@ -14,8 +14,8 @@ the router looks up exactly what the engine will) and `n` prompt tokens, on repl
                  steps_r = ceil(tokens_r / step_token_budget): the prefill work ahead of the first
                  token, plus the decode steps of the batch it joins, interleaved with it
 
-with each replica's own step-cost fit (published with its routing stats; `default_*` until it has
-one). Replicas are ranked by TTFT_r; the KV occupancy projection of the occupancy router
+with each replica's own step-cost fit (published with its routing stats; until it has one, the mean
+of the other replicas' fits, or the `default_*` settings when none has one). Replicas are ranked by TTFT_r; the KV occupancy projection of the occupancy router
 (`routing_policy`) is a constraint: a replica where the request would push the projection past
 `max_occupancy` (forcing preemption) ranks after every replica that has room. "Stick to the warm
 replica until the cold one is faster" falls out: a hot prefix spills to a second replica once the
@@ -59,26 +59,50 @@ def max_cacheable_blocks(num_prompt_tokens: int, block_size: int) -> int:
     return max(num_prompt_tokens - 1, 0) // block_size
 
 
-def predict_ttft_s(view: ReplicaView, tokens: int, settings: KVRouterSettings) -> float:
-    """Seconds until the first token of a request behind `tokens` prompt tokens on that replica."""
+@dataclass(frozen=True)
+class StepCosts:
+    """Seconds per engine step: fixed, per prompt token, per decode token."""
+
+    fixed_s: float
+    prefill_s: float
+    decode_s: float
+
+
+def published_costs(view: ReplicaView) -> StepCosts | None:
     sample = view.sample
-    per_token = (sample.prefill_s_per_token if sample and sample.prefill_s_per_token > 0 else settings.default_prefill_s_per_token)
-    fixed = sample.step_fixed_s if sample and sample.prefill_s_per_token > 0 else settings.default_step_fixed_s
-    decode = (sample.decode_s_per_token if sample and sample.prefill_s_per_token > 0 else settings.default_decode_s_per_token)
-    running = sample.num_running if sample else 0
+    if sample is None or sample.prefill_s_per_token <= 0:
+        return None
+    return StepCosts(sample.step_fixed_s, sample.prefill_s_per_token, sample.decode_s_per_token)
+
+
+def fleet_costs(views: Sequence[ReplicaView], settings: KVRouterSettings) -> StepCosts:
+    """The mean of the replicas' published fits: the cost assumed for a replica that has none yet (a
+    new replica runs on the same hardware; the configured defaults would make it look faster or
+    slower than it is). The defaults only when no replica has a fit."""
+    fits = [c for v in views if (c := published_costs(v)) is not None]
+    if not fits:
+        return StepCosts(settings.default_step_fixed_s, settings.default_prefill_s_per_token, settings.default_decode_s_per_token)
+    n = len(fits)
+    return StepCosts(sum(c.fixed_s for c in fits) / n, sum(c.prefill_s for c in fits) / n, sum(c.decode_s for c in fits) / n)
+
+
+def predict_ttft_s(view: ReplicaView, tokens: int, settings: KVRouterSettings, fallback: StepCosts) -> float:
+    """Seconds until the first token of a request behind `tokens` prompt tokens on that replica."""
+    costs = published_costs(view) or fallback
+    running = view.sample.num_running if view.sample else 0
     steps = max(1, math.ceil(tokens / settings.step_token_budget))
-    return tokens * per_token + steps * (fixed + running * decode)
+    return tokens * costs.prefill_s + steps * (costs.fixed_s + running * costs.decode_s)
 
 
 def make_candidate(view: ReplicaView, cached_blocks: int, num_prompt_tokens: int, request_blocks: int,
-                   settings: KVRouterSettings) -> PrefixCandidate:
+                   settings: KVRouterSettings, fallback: StepCosts) -> PrefixCandidate:
     """`view.prefill_backlog` is the replica's queued prompt tokens: its sample's unread ones plus the
     uncached tokens this router sent there since (the ledger holds each request's uncached tokens)."""
     cached_blocks = min(cached_blocks, max_cacheable_blocks(num_prompt_tokens, settings.block_size))
     cached = cached_blocks * settings.block_size
     sample = view.sample
     queued = view.prefill_backlog
-    ttft = predict_ttft_s(view, queued + num_prompt_tokens - cached, settings)
+    ttft = predict_ttft_s(view, queued + num_prompt_tokens - cached, settings, fallback)
     total = max(sample.num_total_blocks, 1) if sample else 1
     after = view.occupancy + max(request_blocks - cached_blocks, 0) / total if sample else math.inf
     return PrefixCandidate(view, cached, queued, ttft, after, after <= settings.max_occupancy)

@@ -29,6 +29,7 @@ from serve_app.serving.prefix_policy import (
     RecentPrefixes,
     StickyUsers,
     affinity,
+    fleet_costs,
     make_candidate,
     max_cacheable_blocks,
     rank_by_ttft,
@@ -128,7 +129,8 @@ class PrefixAwareRouter(KVCacheAwareRouter):
         else:
             num_tokens = len(request.prompt_token_ids)
             blocks = estimate_request_blocks(request, self.settings)
-            candidates = [make_candidate(v, self._cached_blocks(v.replica_id, keys), num_tokens, blocks, self.settings)
+            fallback = fleet_costs(views, self.settings)
+            candidates = [make_candidate(v, self._cached_blocks(v.replica_id, keys), num_tokens, blocks, self.settings, fallback)
                           for v in views]
             noise = affinity(keys, [v.replica_id for v in views], self.settings.affinity_blocks)
             ordered, reason = rank_by_ttft(candidates, self.settings, noise, self.users.get(request.user))

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from serve_app.block_hash import prefix_block_hashes
 from serve_app.engine.kv_events import KVCachePublisher, KVEventLog
 from serve_app.serving.prefix_router import PrefixAwareRouter
@@ -250,5 +252,24 @@ def test_two_routers_sharing_the_samples_do_not_herd():
             chosen = {(await route(routers[i % 2], [a, b], pending(ask(f"g{prefix[0]}-{i}", i, prefix=prefix)))).name
                       for i in range(4)}
             assert len(chosen) == 1, (prefix[0], chosen)
+
+    run(main())
+
+
+def test_a_replica_without_a_cost_fit_is_assumed_to_cost_what_the_others_measured():
+    async def main():
+        clock = Clock()
+        router, a, b, ea, eb = setup(clock)
+        ea.cache(PREFIX)
+        ea.publish(clock, running=2)
+        eb.publish(clock)
+        # `a` measured a slow machine (10 ms a prompt token); `b` has no fit yet: it is as slow, so the
+        # cached prefix on `a` still wins (with the defaults, 1 ms a token, `b` would look 10x faster)
+        a.routing_stats.update(step_fixed_s=0.5, prefill_s_per_token=0.01, decode_s_per_token=0.05)
+        for key in ("step_fixed_s", "prefill_s_per_token", "decode_s_per_token"):
+            b.routing_stats.pop(key)
+        assert (await route(router, [a, b], pending(ask("q1", 1)))) is a
+        ttft = {c.view.replica_id: c.ttft_s for c in router.last_candidates}
+        assert ttft["b"] == pytest.approx(72 * 0.01 + 0.5) and ttft["a"] == pytest.approx(8 * 0.01 + 0.5 + 2 * 0.05)
 
     run(main())
