@@ -196,7 +196,7 @@ def run_router(router: str, opts: argparse.Namespace, tokenizer: Any, probe_dir:
             wall = 0.0
             per_replica: dict[str, int] = {}
             for seed in opts.seeds:
-                spec = make_workloads(cache_tokens, seed, opts.scale)[workload]
+                spec = make_workloads(cache_tokens, seed, opts.scale, prefix_words=opts.prefix_words)[workload]
                 wait_idle(app)
                 tag = f"{router}-{workload}-s{seed}"
                 rows, seed_wall = loop.run_until_complete(replay(handle, tokenizer, spec, tag))
@@ -212,7 +212,7 @@ def run_router(router: str, opts: argparse.Namespace, tokenizer: Any, probe_dir:
                 print(f"[bench-prefix] {router} {workload} seed {seed}: {len(rows)} requests in {seed_wall:.1f} s, TTFT p50 "
                       f"{s['ttft_p50_s'] or 0:.3f} p99 {s['ttft_p99_s'] or 0:.3f} s, hits {s['cached_tokens']}/{s['ideal_cached_tokens']} "
                       f"ideal, errors {s['num_errors']}", flush=True)
-            spec = make_workloads(cache_tokens, opts.seeds[0], opts.scale)[workload]
+            spec = make_workloads(cache_tokens, opts.seeds[0], opts.scale, prefix_words=opts.prefix_words)[workload]
             out["workloads"][workload] = summarize(spec, pooled, wall, cache_tokens, errors, per_replica)
     finally:
         serve.delete(app)
@@ -277,9 +277,10 @@ def write_report(results: dict[str, Any], out_dir: Path) -> None:
              f"routing stats every 0.2 s. Seeds {w['seeds']} pooled; workload scale {w['scale']}. `ray_prefix` = "
              "`ray.serve.llm.request_router.PrefixCacheAffinityRouter` with its defaults, through "
              "`loadtest/ray_prefix_router.py` (hands it chat messages as a list).", "",
-             "Workloads (loadtest/prefix_workloads.py; closed loops): **shared** groups with ~400-token system prompts, "
+             f"Workloads (loadtest/prefix_workloads.py; closed loops; prefixes of {w['prefix_words']} words ≈ "
+             f"{int(w['prefix_words'] * 1.55)} tokens): **shared** groups sharing a system prompt, "
              "distinct prefixes ≈ 1.6× one replica's cache, 4 in flight, 4 output tokens; **chat** 3-6-turn chats, history "
-             "re-sent, 4 in flight, 8 tokens per reply; **hot** one prefix carrying 5/6 of 48 requests, 16 in flight, 32 "
+             "re-sent, 4 in flight, 8 tokens per reply; **hot** one prefix carrying 5/6 of the requests, 16 in flight, 32 "
              "output tokens; **w3** W3-like skewed prompts sharing nothing, 8 in flight; **evict** like shared with distinct "
              "prefixes ≈ 1.5× the cluster's cache (ideal: the best static partition, computed). Ideal hits: every request "
              "after the first of its group finds the group's prefix blocks cached.", ""]
@@ -346,11 +347,13 @@ def main() -> None:
     parser.add_argument("--num-blocks", type=int, default=128, help="KV blocks per replica (16 tokens each)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--scale", type=float, default=1.0, help="multiplies request counts")
+    parser.add_argument("--prefix-words", type=int, default=360, help="words per shared prefix (~1.55 tokens each)")
     parser.add_argument("--out-dir", default=None)
-    parser.add_argument("--quick", action="store_true", help="one seed, half the requests (a few minutes)")
+    parser.add_argument("--quick", action="store_true",
+                        help="one seed, 64-block caches, half-length prefixes, 3/4 of the requests (a few minutes)")
     opts = parser.parse_args()
     if opts.quick:
-        opts.seeds, opts.scale = opts.seeds[:1], 0.5
+        opts.seeds, opts.scale, opts.num_blocks, opts.prefix_words = opts.seeds[:1], 0.75, 64, 180
     out_dir = Path(opts.out_dir or (REPO / ("build/bench-prefix-quick" if opts.quick else "reports")))
     os.chdir(REPO)
     probe_dir = Path(tempfile.mkdtemp(prefix="prefix-probes-"))
@@ -368,7 +371,8 @@ def main() -> None:
         "command": ".venv/bin/python loadtest/bench_prefix.py " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
         "git": _git_commit(), "loadavg_start": " ".join(f"{x:.2f}" for x in os.getloadavg()),
-        "workload": {"num_blocks": opts.num_blocks, "seeds": opts.seeds, "scale": opts.scale, "names": opts.workloads},
+        "workload": {"num_blocks": opts.num_blocks, "seeds": opts.seeds, "scale": opts.scale, "names": opts.workloads,
+                     "prefix_words": opts.prefix_words},
         "routers": {},
     }
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="bench-prefix")

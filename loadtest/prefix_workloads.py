@@ -74,7 +74,7 @@ def make_workloads(cache_tokens: int, seed: int, scale: float = 1.0, shared_fact
                    evict_factor: float = 1.5, prefix_words: int = 360) -> dict[str, WorkloadSpec]:
     """The five workloads for replicas of `cache_tokens` KV tokens each (`scale` shrinks request counts)."""
     rng = random.Random(seed)
-    prefix_tokens = prefix_words * 1.1  # these words are ~1.1 tokens each with SmolLM2's tokenizer
+    prefix_tokens = prefix_words * 1.55  # these words are ~1.55 tokens each with SmolLM2's tokenizer
     n = lambda x: max(2, round(x * scale))  # noqa: E731
     shared_groups = max(2, round(shared_factor * cache_tokens / prefix_tokens))
     evict_groups = max(3, round(evict_factor * 2 * cache_tokens / prefix_tokens))
