@@ -1,7 +1,12 @@
 """`PrefixAwareRouter`: Ray Serve request router that ranks LLMServer replicas by predicted time to
 first token, knowing what each replica's prefix cache holds (policy: `serving.prefix_policy`).
 
-It extends `KVCacheAwareRouter` (same ledger, occupancy projection, staleness fallback, hooks) with:
+It extends `KVCacheAwareRouter` (same ledger, occupancy projection, hooks) with the following. Stale
+load samples do not switch it to least in-flight (a loaded machine delays Serve's broadcasts by
+seconds, and least in-flight would scatter every prefix group): what a replica's cache holds stays
+true until its next update says otherwise, so it keeps ranking by predicted TTFT on the newest sample
+and its own ledger; a replica with no sample at all counts as idle, and decisions then are labelled
+`fallback`.
 - a `PrefixIndex` per router, fed by the `kv_*` keys of each replica's routing stats (exact cache
   contents, incremental, resynced on gaps and restarts; `serve_app.engine.kv_events`);
 - `RecentPrefixes`: prompt blocks it routed to a replica that the replica's stats may not show yet;
@@ -119,8 +124,8 @@ class PrefixAwareRouter(KVCacheAwareRouter):
         views = [self._view(r, now) for r in candidate_replicas]
         request = find_request(pending_request.args, pending_request.kwargs) if pending_request is not None else None
         keys = self._request_keys(request) if request is not None else None
-        ranked, mode = rank_replicas(views, self.settings, self._rng)
-        if keys is None or mode == "fallback":
+        if keys is None:  # not a generation with token ids: as the occupancy router
+            ranked, mode = rank_replicas(views, self.settings, self._rng)
             reason = "fallback" if mode == "fallback" else "load"
             order = [v.replica_id for v in ranked]
             cached = dict.fromkeys(order, 0)
@@ -134,6 +139,8 @@ class PrefixAwareRouter(KVCacheAwareRouter):
                           for v in views]
             noise = affinity(keys, [v.replica_id for v in views], self.settings.affinity_blocks)
             ordered, reason = rank_by_ttft(candidates, self.settings, noise, self.users.get(request.user))
+            if any(v.sample is None for v in views):
+                reason = "fallback"  # ranked on what this router knows: cache events, own routes, affinity
             self.last_candidates = ordered
             order = [c.view.replica_id for c in ordered]
             cached = {c.view.replica_id: c.cached_tokens for c in ordered}

@@ -175,14 +175,17 @@ def test_predicted_cached_tokens_equal_the_engines_and_evictions_redirect(app, p
     ids = [f"det-{i}" for i in range(9)]
     nudges = iter(range(10**6))
 
-    def reported() -> bool:
-        # the router folds the replicas' reports in when it routes: keep it routing (one-token prompts)
-        if not all(i in router.matched_predictions for i in ids):
+    def routed_until(predicate, message: str) -> None:
+        """The router folds the replicas' updates in when it routes: keep it routing (one-token prompts)."""
+        def check() -> bool:
+            if predicate():
+                return True
             _send(handle, f"nudge-{next(nudges)}", tokenizer.tokenize("hi"), max_tokens=1)
             return False
-        return True
 
-    wait_for(reported, 60, interval_s=0.5, message="the replicas' cached-token reports")
+        wait_for(check, 90, interval_s=0.5, message=message)
+
+    routed_until(lambda: all(i in router.matched_predictions for i in ids), "the replicas' cached-token reports")
     errors = [router.matched_predictions[i] for i in ids]
     assert [p for p, _, _ in errors] == [a for _, a, _ in errors], errors  # predicted == actual, request by request
     assert sum(a for _, a, _ in errors) > 0 and sorted(a for _, a, _ in errors) == sorted(actual)
@@ -194,14 +197,14 @@ def test_predicted_cached_tokens_equal_the_engines_and_evictions_redirect(app, p
     cold = next(r for r in replicas if r != warm)
     keys = router._request_keys(type("R", (), {"prompt_token_ids": groups[0] + [1], "cache_salt": None})())
     _drain(send_direct(replicas[cold], "copy-0", groups[0] + [7, 7, 7], 1))  # now cached on `cold` too
-    wait_for(lambda: router.index.num_cached_blocks(cold, keys) == len(keys), 30, message="prefix on both replicas")
+    routed_until(lambda: router.index.num_cached_blocks(cold, keys) == len(keys), "prefix on both replicas")
     floods = [send_direct(replicas[warm], f"flood-{i}", [rng.randrange(1000, 40000) for _ in range(700)], 1) for i in range(2)]
     try:
         for gen in floods:
             _drain(gen)
     finally:
         cancel_all(floods)
-    wait_for(lambda: router.index.num_cached_blocks(warm, keys) < len(keys), 60, message="the eviction reaching the router")
+    routed_until(lambda: router.index.num_cached_blocks(warm, keys) < len(keys), "the eviction reaching the router")
     for i in range(3):
         _send(handle, f"after-{i}", groups[0] + tokenizer.tokenize(f" again {i}"))
     where = served_by(probe_dir, [f"after-{i}" for i in range(3)])

@@ -273,3 +273,21 @@ def test_a_replica_without_a_cost_fit_is_assumed_to_cost_what_the_others_measure
         assert ttft["b"] == pytest.approx(72 * 0.01 + 0.5) and ttft["a"] == pytest.approx(8 * 0.01 + 0.5 + 2 * 0.05)
 
     run(main())
+
+
+def test_stale_load_samples_still_route_by_cache_contents():
+    async def main():
+        clock = Clock()
+        router, a, b, ea, eb = setup(clock)
+        eb.cache(PREFIX)
+        ea.publish(clock)
+        eb.publish(clock)
+        clock.now += 30  # the controller's broadcasts lag (a loaded machine): every sample is stale
+        for i in range(4):
+            assert (await route(router, [a, b], pending(ask(f"s{i}", i)))) is b
+        assert router.num_decisions == {"cache_hit": 4}
+        kv = make_router(KVCacheAwareRouter, clock, [a, b], seed=0, block_size=BLOCK_SIZE)
+        await kv.choose_replicas([a, b], pending(ask("k", 0)))
+        assert kv.num_decisions == {"fallback": 1}  # the occupancy router falls back to least in-flight
+
+    run(main())
