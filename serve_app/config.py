@@ -148,7 +148,7 @@ class ServeConfig:
     merge a stream's deltas that arrive within that interval into one item (the first token and the
     finish are never held): each streamed item costs CPU in the replica, the ingress and the proxy,
     which matters when engine steps are much shorter than the interval (GPUs).
-    Routing (DESIGN.md §6): `router` picks the LLMServer request router (`kv_aware`, Serve's `pow2`,
+    Routing (docs/routing.md): `router` picks the LLMServer request router (`kv_aware`, Serve's `pow2`,
     `round_robin`); `router_kwargs` tune the KV-aware one (weights, staleness bound; names in
     `serving.routing_policy.KVRouterSettings`); `request_router_class` plugs in any other router.
     Autoscaling: `autoscaling` (Serve's names: `min_replicas`, `max_replicas`,
