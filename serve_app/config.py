@@ -148,7 +148,7 @@ class ServeConfig:
     merge a stream's deltas that arrive within that interval into one item (the first token and the
     finish are never held): each streamed item costs CPU in the replica, the ingress and the proxy,
     which matters when engine steps are much shorter than the interval (GPUs).
-    Routing: `router` picks the LLMServer request router (`prefix_aware`: predicted time to first
+    Routing (docs/routing.md, docs/prefix_routing.md): `router` picks the LLMServer request router (`prefix_aware`: predicted time to first
     token from each replica's published prefix cache; `kv_aware`: KV occupancy only; Serve's `pow2`;
     `round_robin`); `router_kwargs` tune the first two (names in
     `serving.routing_policy.KVRouterSettings`); `request_router_class` plugs in any other router.

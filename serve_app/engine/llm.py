@@ -1,4 +1,4 @@
-"""Offline API (DESIGN.md §4):
+"""Offline API:
 
     llm = LLM("models/smollm2-135m-instruct", dtype="float32", device="cpu", batching="continuous")
     outs = llm.generate(["prompt", [1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=32))

@@ -1,6 +1,6 @@
 """Every metric this service exports: names, types, help texts, labels and bucket boundaries.
 
-The one place that owns them (DESIGN.md §5). Both exporters (`loggers.RayStatLogger` through
+The one place that owns them (docs/architecture.md lists them). Both exporters (`loggers.RayStatLogger` through
 `ray.serve.metrics`, `loggers.PrometheusStatLogger` through `prometheus_client`), the router metrics,
 the Prometheus rules and the Grafana dashboard use exactly these names.
 

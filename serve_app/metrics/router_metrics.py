@@ -1,4 +1,4 @@
-"""What a request router records about its decisions (for `KVCacheAwareRouter`, DESIGN.md §6).
+"""What a request router records about its decisions (for `KVCacheAwareRouter`).
 
     metrics = RouterMetrics.for_ray(model_name)            # in the router (inside a DeploymentHandle)
     metrics.record_routed(replica.replica_id.unique_id, stats_age_s=now - sample_time)

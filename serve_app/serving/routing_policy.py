@@ -1,7 +1,7 @@
 """KV-cache-aware routing policy, free of Ray: settings, request-size estimates, in-flight ledger, ranking.
 
 `serve_app.serving.router.KVCacheAwareRouter` is the Ray Serve adapter around these pieces
-(DESIGN.md §6); keeping them here makes every decision testable without a cluster.
+(docs/routing.md); keeping them here makes every decision testable without a cluster.
 
 Estimated occupancy of a replica (fraction of its KV blocks, may exceed 1 when demand exceeds room):
 
