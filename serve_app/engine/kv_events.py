@@ -20,8 +20,9 @@ compact update, a plain dict merged into the routing stats:
 Serve's controller polls the replica and broadcasts only the newest dict, so a router can miss an
 update: the deltas therefore cover the last `window_polls` polls, not just the latest. A router
 whose last applied seq is older than `kv_from_seq` has a gap (or sees a new epoch) and waits for the
-next snapshot, which is sent every `snapshot_every_polls` polls and whenever the delta would be
-larger than the snapshot. A GPU replica with 100k cached blocks thus sends its full set only
+next snapshot, which is sent every `snapshot_every_polls` polls, whenever the delta would be
+larger than the snapshot, and always while the cache holds at most `small_snapshot_keys` blocks
+(8 KiB of keys: cheaper than a router waiting for a resync). A GPU replica with 100k cached blocks thus sends its full set only
 periodically, and otherwise just what changed.
 
 Block keys are the first 8 bytes of the SHA-256 block hash (`serve_app.block_hash.block_key`): a
@@ -104,12 +105,14 @@ class KVCachePublisher:
     """Builds the routing-stats update at each poll (see module docstring); not thread-safe (one
     caller: the replica's event loop)."""
 
-    def __init__(self, log: KVEventLog, block_size: int, window_polls: int = 25, snapshot_every_polls: int = 10) -> None:
+    def __init__(self, log: KVEventLog, block_size: int, window_polls: int = 25, snapshot_every_polls: int = 10,
+                 small_snapshot_keys: int = 1024) -> None:
         if window_polls < 1 or snapshot_every_polls < 1:
             raise ValueError("window_polls, snapshot_every_polls: must be >= 1")
         self.log = log
         self.block_size = block_size
         self.snapshot_every_polls = snapshot_every_polls
+        self.small_snapshot_keys = small_snapshot_keys  # a cache this small is always sent whole (no resync wait)
         # (event seq, finished count) after each of the last polls; an update covers what changed since the oldest
         self._marks: deque[tuple[int, int]] = deque([(0, 0)], maxlen=window_polls)
         self._num_polls = 0
@@ -121,7 +124,7 @@ class KVCachePublisher:
         update: dict[str, Any] = {"kv_epoch": self.log.epoch, "kv_block_size": self.block_size,
                                   "cached_tokens": finished}
         snapshot_due = self._num_polls % self.snapshot_every_polls == 0
-        if events is None or snapshot_due or len(events) > self.log.num_keys:
+        if events is None or snapshot_due or len(events) > self.log.num_keys or self.log.num_keys <= self.small_snapshot_keys:
             seq, keys = self.log.snapshot()
             update.update(kv_seq=seq, kv_from_seq=seq, kv_events=[], kv_snapshot=keys)
         else:

@@ -71,6 +71,10 @@ class PrefixIndex:
         """True when the replica publishes cache events (synced or waiting for a snapshot)."""
         return replica_id in self.views
 
+    def is_synced(self, replica_id: str) -> bool:
+        view = self.views.get(replica_id)
+        return view is not None and view.synced
+
     def num_cached_blocks(self, replica_id: str, keys: Sequence[int]) -> int:
         """Leading blocks of `keys` (a prompt's block keys, first block first) the replica holds."""
         view = self.views.get(replica_id)

@@ -152,9 +152,9 @@ class RecentPrefixes:
     """Prompt block keys this router sent to each replica, until that replica's samples include them.
 
     An entry counts while its request is in flight (a queued request's prefix is not computed yet,
-    so the replica's cache events cannot show it) or while it is younger than the replica's last
-    sample minus `sample_lag_s`; after that the replica's published cache is the truth (it may have
-    evicted the prefix since). For a replica that publishes no cache events the caller does not
+    so the replica's cache events cannot show it), while it is younger than the replica's last
+    sample minus `sample_lag_s`, or while the router's view of that replica's cache is not synced;
+    after that the replica's published cache is the truth (it may have evicted the prefix since). For a replica that publishes no cache events the caller does not
     prune, and this is all the router knows of it: the newest `max_per_replica` requests
     (approximate, never told of evictions). Keys are chained hashes, so a key stands for its whole
     prefix, and a leading run is a walk down the keys.

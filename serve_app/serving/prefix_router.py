@@ -82,7 +82,9 @@ class PrefixAwareRouter(KVCacheAwareRouter):
             if predicted is not None:
                 self._record_prediction(replica_id, request_id, predicted[0], int(actual), int(prompt_tokens), predicted[1])
         sampled_at = stats.get("sampled_at")
-        if sampled_at is not None and self.index.tracks(replica_id):
+        # entries go once the replica's own (synced) cache view covers them; until then they are all
+        # this router knows of what is about to be cached there
+        if sampled_at is not None and self.index.is_synced(replica_id):
             in_flight = self.ledger.by_replica.get(replica_id, {})
             self.recent.prune(replica_id, float(sampled_at) - self.settings.sample_lag_s, in_flight)
 

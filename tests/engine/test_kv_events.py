@@ -36,7 +36,7 @@ def make(num_blocks: int):
 def test_index_follows_the_cache_under_lost_and_reordered_updates(seed, num_blocks, drop, window, snapshot_every):
     rng = random.Random(seed)
     scheduler, bm, log = make(num_blocks)
-    publisher = KVCachePublisher(log, BLOCK, window_polls=window, snapshot_every_polls=snapshot_every)
+    publisher = KVCachePublisher(log, BLOCK, window_polls=window, snapshot_every_polls=snapshot_every, small_snapshot_keys=0)
     index = PrefixIndex()
     prefixes = [[rng.randrange(50) for _ in range(rng.randint(4, 20))] for _ in range(4)]
     history = []
@@ -65,7 +65,7 @@ def test_index_follows_the_cache_under_lost_and_reordered_updates(seed, num_bloc
 
 def test_eviction_is_published_and_a_gap_waits_for_a_snapshot():
     scheduler, bm, log = make(6)
-    publisher = KVCachePublisher(log, BLOCK, window_polls=1, snapshot_every_polls=100)
+    publisher = KVCachePublisher(log, BLOCK, window_polls=1, snapshot_every_polls=100, small_snapshot_keys=0)
     index = PrefixIndex()
     assert index.apply("r", publisher.next_update()) == "snapshot"  # the first update is a snapshot
     prompt = list(range(1, 13))  # 3 full blocks
@@ -103,7 +103,7 @@ def test_eviction_is_published_and_a_gap_waits_for_a_snapshot():
 
 def test_finished_requests_report_their_cached_tokens_once_per_window():
     log = KVEventLog()
-    publisher = KVCachePublisher(log, BLOCK, window_polls=2)
+    publisher = KVCachePublisher(log, BLOCK, window_polls=2, small_snapshot_keys=0)
     log.request_finished("x", 32, 40)
     assert publisher.next_update()["cached_tokens"] == [("x", 32, 40)]
     assert publisher.next_update()["cached_tokens"] == [("x", 32, 40)]  # still in the window
@@ -121,3 +121,13 @@ def test_salted_prompts_never_share_blocks():
             scheduler.update_from_output(out, fake_run(out))
         assert req.num_cached_tokens == 0
     assert cached_keys(bm) == {block_key(h) for s in (b"tenant-a", b"tenant-b") for h in prefix_block_hashes(prompt, BLOCK, s)}
+
+
+def test_a_small_cache_is_always_published_whole():
+    log = KVEventLog()
+    publisher = KVCachePublisher(log, BLOCK, small_snapshot_keys=8)
+    for n in range(1, 12):
+        log.stored(bytes([n]) * 32)
+        update = publisher.next_update()
+        # up to 8 cached blocks every update is a full snapshot (a router that just joined needs no resync)
+        assert ("kv_snapshot" in update) == (n <= 8 or (n - 1) % 10 == 0), n

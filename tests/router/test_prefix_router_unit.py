@@ -29,7 +29,7 @@ class Engine:
     def __init__(self, replica: FakeReplica, window_polls: int = 4, snapshot_every: int = 1000) -> None:
         self.replica = replica
         self.log = KVEventLog()
-        self.publisher = KVCachePublisher(self.log, BLOCK_SIZE, window_polls, snapshot_every)
+        self.publisher = KVCachePublisher(self.log, BLOCK_SIZE, window_polls, snapshot_every, small_snapshot_keys=0)
 
     def cache(self, token_ids: list[int], salt: bytes | None = None) -> None:
         for h in prefix_block_hashes(token_ids, BLOCK_SIZE, salt):
@@ -149,7 +149,7 @@ def test_lost_deltas_resync_from_the_next_snapshot():
     async def main():
         clock = Clock()
         router, a, b, ea, eb = setup(clock)
-        ea.publisher = KVCachePublisher(ea.log, BLOCK_SIZE, window_polls=1, snapshot_every_polls=3)
+        ea.publisher = KVCachePublisher(ea.log, BLOCK_SIZE, window_polls=1, snapshot_every_polls=3, small_snapshot_keys=0)
         ea.publish(clock)  # snapshot (empty)
         eb.publish(clock)
         await router.choose_replicas([a, b], None)
