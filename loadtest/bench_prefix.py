@@ -259,7 +259,7 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     pred = results["routers"].get("prefix_aware", {}).get("workloads", {})
     shares = [w["prediction"]["mean_abs_error_share"] for w in pred.values() if "prediction" in w]
     value = max(shares) if shares else None
-    rows.append({"workload": "all", "metric": "mean |predicted − actual| ÷ prompt tokens", "ratio": "prefix_aware (worst workload)",
+    rows.append({"workload": "all", "metric": "mean abs(predicted − actual) ÷ prompt tokens", "ratio": "prefix_aware (worst workload)",
                  "value": value, "target": "<= 0.05", "met": None if value is None else value <= 0.05})
     return rows
 
