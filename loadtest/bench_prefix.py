@@ -382,6 +382,9 @@ def main() -> None:
         serve.start(http_options={"host": "127.0.0.1", "port": _free_port()}, proxy_location="HeadOnly")
         for router in opts.routers:
             results["routers"][router] = run_router(router, opts, tokenizer, probe_dir, loop)
+            # after each router, so that a run cut short (a busy machine, OOM) still leaves its results
+            results["loadavg_end"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
+            write_report(results, out_dir)
     finally:
         with contextlib.suppress(Exception):
             serve.shutdown()
