@@ -141,8 +141,10 @@ class ServeConfig:
     its engine, whose scheduler runs `max_num_seqs` of them at once); beyond that each caller queues
     up to `max_queued_requests`, and anything more is answered 503 with `Retry-After`.
     `torch_num_threads` 0 means every core of the machine (Ray pins fractional-CPU actors to one
-    OpenMP thread otherwise). The API key comes from `api_key`, else from the environment variable
-    named by `api_key_env` when the app is built; empty means no authentication.
+    OpenMP thread otherwise). The API key is never part of the config (which Serve keeps in its
+    controller state and shows on its dashboard): each ingress replica reads it from the environment
+    variable named by `api_key_env` (default `SERVE_APP_API_KEY`) in its own process; unset or empty
+    means no authentication.
     `stat_logger_factories` are "module:callable" paths, each called in the replica as
     `factory(config)` to make one engine `StatLogger`. `stream_batch_interval_s` > 0 lets a replica
     merge a stream's deltas that arrive within that interval into one item (the first token and the
@@ -188,8 +190,7 @@ class ServeConfig:
     max_n: int = 8
     replica_failure_retries: int = 1
     retry_after_s: int = 1
-    api_key: str = field(default="", repr=False)
-    api_key_env: str = "SERVE_APP_API_KEY"
+    api_key_env: str = "SERVE_APP_API_KEY"  # "" disables authentication whatever the environment holds
     log_requests: bool = False  # log prompts and outputs (off: only ids, sizes and timings)
 
     def __post_init__(self) -> None:

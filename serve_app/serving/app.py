@@ -8,9 +8,7 @@ and then the repository root, so replicas (whatever their working directory) get
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
@@ -38,10 +36,6 @@ def resolve_model_path(model: str) -> str:
     raise ValueError(f"model: {model!r} is not a directory here or under {REPO_ROOT} (run `make model` for the default model)")
 
 
-def resolve_api_key(config: ServeConfig) -> str:
-    return config.api_key or (os.environ.get(config.api_key_env, "") if config.api_key_env else "")
-
-
 def request_router_config(config: ServeConfig) -> RequestRouterConfig:
     """The LLMServer router: `request_router_class` if set, else the `router` by name, with its kwargs."""
     router_class = config.request_router_class or ROUTER_CLASSES[config.router]
@@ -56,8 +50,6 @@ def request_router_config(config: ServeConfig) -> RequestRouterConfig:
 
 
 def build_app_from_config(config: ServeConfig) -> Application:
-    api_key = resolve_api_key(config)
-    config = dataclasses.replace(config, api_key="")  # the key goes to the ingress only, never to replicas' args
     actor_options: dict[str, Any] = {"num_cpus": config.num_cpus_per_replica}
     if config.num_gpus_per_replica:
         actor_options["num_gpus"] = config.num_gpus_per_replica
@@ -80,11 +72,12 @@ def build_app_from_config(config: ServeConfig) -> Application:
         ray_actor_options={"num_cpus": config.ingress_num_cpus},
         max_ongoing_requests=config.ingress_max_ongoing_requests,
         max_queued_requests=config.ingress_max_queued_requests,
-    ).bind(server, config, api_key)
+    ).bind(server, config)  # no key here: init args live in Serve's controller state
     replicas = (f"{autoscaling.min_replicas}-{autoscaling.max_replicas} (autoscaling)" if autoscaling
                 else str(config.num_replicas))
-    logger.info("serving %s (%s LLMServer replica(s), router %s, API key %s)", config.model_name, replicas,
-                config.request_router_class or config.router, "required" if api_key else "not required")
+    logger.info("serving %s (%s LLMServer replica(s), router %s, API key from %s)", config.model_name, replicas,
+                config.request_router_class or config.router,
+                f"${config.api_key_env} in each ingress replica" if config.api_key_env else "nowhere (no authentication)")
     return ingress
 
 

@@ -3,11 +3,16 @@
 The FastAPI app is built per replica (`__serve_build_asgi_app__`) from the `ServeConfig`, so nothing
 lives in module globals. The constructor waits until an LLMServer replica answers `model_info()`,
 so a RUNNING ingress means the API can serve; it then logs the URL clients use.
+
+The API key is read here, in the replica's own process, from the environment variable the config
+names (`api_key_env`): it never travels as a deployment argument, which Serve would keep in its
+controller state and show on its dashboard.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 
 from fastapi import FastAPI
 from ray import serve
@@ -19,11 +24,19 @@ from serve_app.serving.api import OpenAIAPI, build_fastapi_app
 logger = logging.getLogger("ray.serve")
 
 
+def api_key_from_env(variable: str) -> str:
+    """The API key in environment variable `variable` ("" when unset, or when `variable` is "")."""
+    key = os.environ.get(variable, "").strip() if variable else ""
+    if variable and not key:
+        logger.warning("no API key: $%s is not set in this ingress replica, the API is open", variable)
+    return key
+
+
 @serve.deployment(name="OpenAIIngress")
 @serve.ingress()
 class OpenAIIngress:
-    async def __init__(self, llm: DeploymentHandle, config: ServeConfig, api_key: str = "") -> None:
-        self._api_key = api_key
+    async def __init__(self, llm: DeploymentHandle, config: ServeConfig) -> None:
+        self._api_key = api_key_from_env(config.api_key_env)
         info = await llm.model_info.remote()
         self.api = OpenAIAPI(llm, config, info)
         logger.info("OpenAI-compatible API ready: model %r (context %d tokens, backend %s)",

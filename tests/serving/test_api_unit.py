@@ -96,10 +96,13 @@ class FakeHandle:
             raise in_replica(BackendDeadError("engine loop died"))
 
 
-def make_client(handle: FakeHandle, api_key: str = "", **config) -> httpx.AsyncClient:
+def make_client(handle: FakeHandle, api_key: str = "", root_path: str = "", **config) -> httpx.AsyncClient:
+    """A client of the app mounted at `root_path` (as Ray Serve mounts it under a `route_prefix`:
+    the prefix stays in the request path and is stated in the ASGI `root_path`)."""
     cfg = ServeConfig(model="unused", **config)
     app = build_fastapi_app(OpenAIAPI(handle, cfg, INFO), api_key=api_key)
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test", timeout=30)
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app, root_path=root_path),
+                             base_url=f"http://test{root_path}", timeout=30)
 
 
 def ok_script(request: GenerateRequest, attempt: int) -> FakeResponse:
@@ -323,16 +326,26 @@ def test_health_probe():
     run(main())
 
 
-def test_api_key_guard():
+@pytest.mark.parametrize("root_path", ["", "/llm", "/a/b"])
+def test_api_key_guard(root_path):
+    """Every route needs the key wherever the app is mounted; only the health probe is open."""
+    completion = {"model": MODEL, "prompt": "hi"}
+    wrong = {"Authorization": "Bearer wrong"}
+
     async def main():
-        async with make_client(FakeHandle(ok_script), api_key="s3cret") as c:
+        async with make_client(FakeHandle(ok_script), api_key="s3cret", root_path=root_path) as c:
             r = await c.post("/v1/chat/completions", json=CHAT)
             assert error_of(r, 401)["code"] == "invalid_api_key" and r.headers["www-authenticate"] == "Bearer"
-            r = await c.post("/v1/chat/completions", json=CHAT, headers={"Authorization": "Bearer wrong"})
-            error_of(r, 401)
-            assert (await c.get("/v1/models")).status_code == 401
-            r = await c.post("/v1/chat/completions", json=CHAT, headers={"Authorization": "Bearer s3cret"})
-            assert r.status_code == 200
+            for stream in (False, True):
+                error_of(await c.post("/v1/chat/completions", json={**CHAT, "stream": stream}, headers=wrong), 401)
+                error_of(await c.post("/v1/completions", json={**completion, "stream": stream}), 401)
+            for path in ("/v1/models", f"/v1/models/{MODEL}", "/v2/anything", "/v1", "/", "/health/x"):
+                error_of(await c.get(path), 401)
+            auth = {"Authorization": "Bearer s3cret"}
+            assert (await c.post("/v1/chat/completions", json=CHAT, headers=auth)).status_code == 200
+            r = await c.post("/v1/completions", json={**completion, "stream": True}, headers=auth)
+            assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")
+            assert (await c.get("/v1/models", headers=auth)).json()["data"][0]["id"] == MODEL
             assert (await c.get("/health")).status_code == 200  # probes need no key
 
     run(main())
