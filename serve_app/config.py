@@ -145,6 +145,10 @@ class ServeConfig:
     controller state and shows on its dashboard): each ingress replica reads it from the environment
     variable named by `api_key_env` (default `SERVE_APP_API_KEY`) in its own process; unset or empty
     means no authentication.
+    Fan-out: a completions request carries at most `max_prompts_per_request` prompts, and its
+    choices (n × prompts, one engine request each) never exceed `max_ongoing_requests`, what one
+    replica admits at once, so a request is refused (400) before any of its work starts rather than
+    half-admitted and then cut by backpressure.
     `stat_logger_factories` are "module:callable" paths, each called in the replica as
     `factory(config)` to make one engine `StatLogger`. `stream_batch_interval_s` > 0 lets a replica
     merge a stream's deltas that arrive within that interval into one item (the first token and the
@@ -188,6 +192,7 @@ class ServeConfig:
     request_timeout_s: float = 600.0
     max_request_bytes: int = 1 << 20
     max_n: int = 8
+    max_prompts_per_request: int = 16  # prompts in one completions request (a batch); n × prompts <= max_ongoing_requests
     replica_failure_retries: int = 1
     retry_after_s: int = 1
     api_key_env: str = "SERVE_APP_API_KEY"  # "" disables authentication whatever the environment holds
@@ -205,7 +210,8 @@ class ServeConfig:
         _require(bool(self.model), "model", "a model directory is required")
         _require(self.backend in BACKENDS, "backend", f"must be one of {BACKENDS}, got {self.backend!r}")
         self.backend_options()  # validates the engine options (names and values) for the backend
-        for name in ("num_replicas", "ingress_num_replicas", "max_ongoing_requests", "ingress_max_ongoing_requests", "max_n"):
+        for name in ("num_replicas", "ingress_num_replicas", "max_ongoing_requests", "ingress_max_ongoing_requests", "max_n",
+                     "max_prompts_per_request"):
             _require(isinstance(getattr(self, name), int) and getattr(self, name) >= 1, name, "must be an integer >= 1")
         for name in ("max_queued_requests", "ingress_max_queued_requests"):
             _require(isinstance(getattr(self, name), int) and (getattr(self, name) >= 1 or getattr(self, name) == -1), name, "must be >= 1, or -1 for no limit")

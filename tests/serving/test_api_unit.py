@@ -281,6 +281,36 @@ def test_n_fans_out_with_distinct_seeds_and_fails_together():
     assert all(r.cancelled or not r._items for r in failing.responses)
 
 
+def test_fan_out_is_bounded_before_any_work_starts():
+    """A 1 MiB body can carry ~10^5 prompts: the prompt count and n × prompts are bounded with a 400,
+    and nothing reaches a replica (no work that admission would then refuse)."""
+    handle = FakeHandle(ok_script)
+    completion = {"model": MODEL, "max_tokens": 2}
+
+    async def main():
+        async with make_client(handle, max_ongoing_requests=16, max_prompts_per_request=8) as c:
+            r = await c.post("/v1/completions", json={**completion, "prompt": [[1, 2]] * 9})
+            assert error_of(r, 400)["code"] == "too_many_prompts"
+            r = await c.post("/v1/completions", json={**completion, "prompt": ["a"] * 100_000})
+            error = error_of(r, 400)
+            assert (error["param"], error["code"]) == ("prompt", "too_many_prompts") and "100000" in error["message"]
+            r = await c.post("/v1/completions", json={**completion, "prompt": ["a"] * 6, "n": 3, "stream": True})
+            error = error_of(r, 400)
+            assert (error["param"], error["code"]) == ("n", "too_many_choices") and "18" in error["message"]
+            assert handle.calls == []
+            r = await c.post("/v1/completions", json={**completion, "prompt": ["a"] * 8, "n": 2})  # 16: at the limit
+            assert r.status_code == 200 and len(r.json()["choices"]) == 16
+            assert len(handle.calls) == 16
+        async with make_client(handle, max_ongoing_requests=4) as c:  # chat: n alone is the fan-out
+            error = error_of(await c.post("/v1/chat/completions", json={**CHAT, "n": 5}), 400)
+            assert (error["param"], error["code"]) == ("n", "too_many_choices")
+            assert len(handle.calls) == 16
+
+    run(main())
+    with pytest.raises(ValueError, match="^max_prompts_per_request:"):
+        ServeConfig(model="m", max_prompts_per_request=0)
+
+
 def test_unexpected_exception_is_500_without_details():
     handle = FakeHandle(lambda req, attempt: FakeResponse([in_replica(RuntimeError("secret user text"))]))
 
