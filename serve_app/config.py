@@ -145,6 +145,12 @@ class ServeConfig:
     controller state and shows on its dashboard): each ingress replica reads it from the environment
     variable named by `api_key_env` (default `SERVE_APP_API_KEY`) in its own process; unset or empty
     means no authentication.
+    Liveness (docs/operations.md): `check_health` (every `health_check_period_s`) fails once the
+    engine died, or once it has had work pending and finished no step for `engine_stall_timeout_s`
+    (a hung step); Serve then replaces the replica. A replica being removed (scale-down, redeploy)
+    keeps serving its in-flight streams for up to `drain_timeout_s`, then aborts the rest (KV
+    freed; their clients get an `aborted` error and `[DONE]`); Serve's own shutdown deadline is set
+    a few seconds beyond it.
     Fan-out: a completions request carries at most `max_prompts_per_request` prompts, and its
     choices (n × prompts, one engine request each) never exceed `max_ongoing_requests`, what one
     replica admits at once, so a request is refused (400) before any of its work starts rather than
@@ -181,7 +187,8 @@ class ServeConfig:
     autoscaling: tuple[tuple[str, Any], ...] = ()  # empty: fixed num_replicas (serving.autoscaling.AutoscalingSettings)
     health_check_period_s: float = 2.0
     health_check_timeout_s: float = 30.0
-    graceful_shutdown_timeout_s: float = 5.0
+    engine_stall_timeout_s: float = 60.0  # health check fails: work pending, no engine step finished for this long
+    drain_timeout_s: float = 60.0  # a replica being removed serves its in-flight streams this long, then aborts them
     stat_logger_factories: tuple[str, ...] = ()
     stream_batch_interval_s: float = 0.0  # >0: merge a stream's deltas for up to this long (fewer Ray items)
     # OpenAIIngress deployment
@@ -217,7 +224,8 @@ class ServeConfig:
             _require(isinstance(getattr(self, name), int) and (getattr(self, name) >= 1 or getattr(self, name) == -1), name, "must be >= 1, or -1 for no limit")
         for name in ("num_cpus_per_replica", "num_gpus_per_replica", "ingress_num_cpus"):
             _require(getattr(self, name) >= 0, name, "must be >= 0")
-        for name in ("request_routing_stats_period_s", "health_check_period_s", "health_check_timeout_s", "request_timeout_s", "graceful_shutdown_timeout_s"):
+        for name in ("request_routing_stats_period_s", "health_check_period_s", "health_check_timeout_s", "request_timeout_s",
+                     "engine_stall_timeout_s", "drain_timeout_s"):
             _require(getattr(self, name) > 0, name, "must be > 0")
         _require(self.torch_num_threads >= 0, "torch_num_threads", "must be >= 0 (0: all cores)")
         _require(self.max_request_bytes >= 1024, "max_request_bytes", "must be >= 1024")

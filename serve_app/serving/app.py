@@ -17,7 +17,7 @@ from ray.serve.config import RequestRouterConfig
 
 from serve_app.config import ServeConfig
 from serve_app.serving.ingress import OpenAIIngress
-from serve_app.serving.llm_server import LLMServer
+from serve_app.serving.llm_server import ABORT_GRACE_S, LLMServer
 from serve_app.serving.routing_policy import ROUTER_CLASSES
 
 logger = logging.getLogger(__name__)
@@ -64,7 +64,8 @@ def build_app_from_config(config: ServeConfig) -> Application:
         request_router_config=request_router_config(config),
         health_check_period_s=config.health_check_period_s,
         health_check_timeout_s=config.health_check_timeout_s,
-        graceful_shutdown_timeout_s=config.graceful_shutdown_timeout_s,
+        # Serve kills a stopping replica at this deadline: the replica's own drain ends before it
+        graceful_shutdown_timeout_s=config.drain_timeout_s + ABORT_GRACE_S,
         **({"max_replicas_per_node": config.max_replicas_per_node} if config.max_replicas_per_node else {}),
     ).bind(config)
     ingress = OpenAIIngress.options(

@@ -10,13 +10,19 @@ Called only through a `DeploymentHandle` (from `OpenAIIngress`):
   (`kv_cache_usage`, `num_free_blocks`, `num_total_blocks`, `num_waiting`, `num_running`,
   `num_pending_prompt_tokens`, `sampled_at`)
   to request routers (`serve_app.serving.router`); and `check_health()` every `health_check_period_s`: it raises once the engine loop died,
-  and Serve replaces the replica.
+  or once the engine has had work pending and finished no step for `engine_stall_timeout_s` (a
+  hung step), and Serve replaces the replica.
+- Drain: once Serve begins shutting the replica down (scale-down, redeploy), its in-flight requests
+  get up to `drain_timeout_s` to finish; the rest are then aborted in the engine (KV freed, their
+  streams end with an `abort` finish, which the ingress reports as an error) before Serve's own
+  deadline (`drain_timeout_s` + `ABORT_GRACE_S`) kills the process.
 
 torch is imported only inside the replica (when the backend starts), never at module load.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import importlib
@@ -29,12 +35,18 @@ from typing import Any
 
 from ray import serve
 
-from serve_app.backends import Backend, ModelInfo, make_backend
+from serve_app.backends import Backend, BackendDeadError, ModelInfo, make_backend
 from serve_app.config import ServeConfig
 from serve_app.metrics.loggers import RayStatLogger
+from serve_app.serving.drain import shutdown_probe
 from serve_app.types import GenerateRequest, RequestOutput
 
 logger = logging.getLogger("ray.serve")
+
+# after the drain deadline: time for the aborted streams' last chunks to reach the ingress before
+# Serve kills the replica
+ABORT_GRACE_S = 5.0
+DRAIN_POLL_S = 0.25
 
 
 @dataclass(frozen=True)
@@ -117,6 +129,8 @@ class LLMServer:
         self.backend: Backend = make_backend(config, stat_loggers)
         await self.backend.start()
         self._info = self.backend.model_info()
+        self._in_flight: set[str] = set()  # request ids of open `generate` calls
+        self._drain_task = asyncio.get_running_loop().create_task(self._drain_on_shutdown())
         logger.info("LLMServer replica ready: model %s, context %d tokens, torch threads %s",
                     self._info.name, self._info.max_model_len, threads or "n/a")
 
@@ -126,6 +140,7 @@ class LLMServer:
         request = dataclasses.replace(request, arrival_time=time.monotonic())
         num_tokens = 0
         reason = None
+        self._in_flight.add(request.request_id)
         try:
             async with contextlib.aclosing(batch_stream(self.backend.generate(request), self.config.stream_batch_interval_s)) as chunks:
                 async for chunk in chunks:
@@ -133,6 +148,7 @@ class LLMServer:
                     reason = chunk.finish_reason
                     yield chunk
         finally:
+            self._in_flight.discard(request.request_id)
             if self.config.log_requests:
                 logger.info("request %s: prompt %r → %d tokens (%s)", request.request_id,
                             request.prompt if request.messages is None else request.messages, num_tokens, reason)
@@ -154,8 +170,36 @@ class LLMServer:
 
     def check_health(self) -> None:
         self.backend.check_health()
+        stalled_s = self.backend.seconds_without_progress()
+        if stalled_s > self.config.engine_stall_timeout_s:
+            raise BackendDeadError(f"engine stalled: requests pending and no step finished for {stalled_s:.0f} s "
+                                   f"(engine_stall_timeout_s={self.config.engine_stall_timeout_s:g})")
+
+    async def _drain_on_shutdown(self) -> None:
+        started = shutdown_probe()
+        if started is None:  # not under Serve (tests), or a Serve whose internals changed
+            return
+        while not started():
+            await asyncio.sleep(DRAIN_POLL_S)
+        await self.drain(self.config.drain_timeout_s)
+
+    async def drain(self, timeout_s: float) -> int:
+        """Let the in-flight requests finish for up to `timeout_s`, then abort the rest (their KV
+        blocks are free when this returns). Returns how many were aborted."""
+        logger.info("draining: %d in-flight request(s), up to %.0f s", len(self._in_flight), timeout_s)
+        deadline = time.monotonic() + timeout_s
+        while self._in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(DRAIN_POLL_S)
+        left = list(self._in_flight)
+        if left:
+            logger.warning("drain timeout after %.0f s: aborting %d request(s)", timeout_s, len(left))
+            await asyncio.gather(*(self.backend.abort(request_id) for request_id in left), return_exceptions=True)
+        return len(left)
 
     def __del__(self) -> None:
+        task = getattr(self, "_drain_task", None)
+        if task is not None:
+            task.cancel()
         backend = getattr(self, "backend", None)
         if backend is not None:
             backend.shutdown()
