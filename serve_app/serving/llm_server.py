@@ -129,7 +129,7 @@ class LLMServer:
         self.backend: Backend = make_backend(config, stat_loggers)
         await self.backend.start()
         self._info = self.backend.model_info()
-        self._in_flight: set[str] = set()  # request ids of open `generate` calls
+        self._in_flight: dict[str, asyncio.Task] = {}  # open `generate` calls by request id
         self._drain_task = asyncio.get_running_loop().create_task(self._drain_on_shutdown())
         logger.info("LLMServer replica ready: model %s, context %d tokens, torch threads %s",
                     self._info.name, self._info.max_model_len, threads or "n/a")
@@ -140,7 +140,9 @@ class LLMServer:
         request = dataclasses.replace(request, arrival_time=time.monotonic())
         num_tokens = 0
         reason = None
-        self._in_flight.add(request.request_id)
+        task = asyncio.current_task()
+        if task is not None:
+            self._in_flight[request.request_id] = task
         try:
             async with contextlib.aclosing(batch_stream(self.backend.generate(request), self.config.stream_batch_interval_s)) as chunks:
                 async for chunk in chunks:
@@ -148,7 +150,7 @@ class LLMServer:
                     reason = chunk.finish_reason
                     yield chunk
         finally:
-            self._in_flight.discard(request.request_id)
+            self._in_flight.pop(request.request_id, None)
             if self.config.log_requests:
                 logger.info("request %s: prompt %r → %d tokens (%s)", request.request_id,
                             request.prompt if request.messages is None else request.messages, num_tokens, reason)
@@ -184,17 +186,33 @@ class LLMServer:
         await self.drain(self.config.drain_timeout_s)
 
     async def drain(self, timeout_s: float) -> int:
-        """Let the in-flight requests finish for up to `timeout_s`, then abort the rest (their KV
-        blocks are free when this returns). Returns how many were aborted."""
-        logger.info("draining: %d in-flight request(s), up to %.0f s", len(self._in_flight), timeout_s)
-        deadline = time.monotonic() + timeout_s
+        """Let the in-flight requests finish for up to `timeout_s` (not at all if the engine is
+        unhealthy), then abort the rest: their KV blocks are free when this returns, or, if the
+        engine does not answer within `ABORT_GRACE_S` / 2 (hung), their calls are cancelled.
+        Returns how many requests were cut."""
+        healthy = self._is_healthy()
+        logger.info("draining: %d in-flight request(s), up to %.0f s%s", len(self._in_flight), timeout_s,
+                    "" if healthy else " (engine unhealthy: not waiting)")
+        deadline = time.monotonic() + (timeout_s if healthy else 0.0)
         while self._in_flight and time.monotonic() < deadline:
             await asyncio.sleep(DRAIN_POLL_S)
-        left = list(self._in_flight)
+        left = dict(self._in_flight)
         if left:
-            logger.warning("drain timeout after %.0f s: aborting %d request(s)", timeout_s, len(left))
-            await asyncio.gather(*(self.backend.abort(request_id) for request_id in left), return_exceptions=True)
+            logger.warning("drain: aborting %d request(s) still running", len(left))
+            aborts = asyncio.gather(*(self.backend.abort(request_id) for request_id in left), return_exceptions=True)
+            try:
+                await asyncio.wait_for(aborts, ABORT_GRACE_S / 2)
+            except TimeoutError:
+                for task in left.values():
+                    task.cancel()
         return len(left)
+
+    def _is_healthy(self) -> bool:
+        try:
+            self.check_health()
+        except Exception:  # noqa: BLE001 - any failure means: do not wait for this engine
+            return False
+        return True
 
     def __del__(self) -> None:
         task = getattr(self, "_drain_task", None)
