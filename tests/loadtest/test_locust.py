@@ -23,7 +23,7 @@ from tests.serving.conftest import API_KEY, API_KEY_ENV, MODEL_NAME, REPO, app_a
 LOCUST = Path(sys.executable).with_name("locust")
 MAX_TOKENS = 12
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.startup(reason="starts Ray, Serve and a Locust process within bounds")]
 
 
 @pytest.fixture(scope="module")

@@ -31,6 +31,9 @@ from tests.serving.conftest import (
 )
 from tests.serving.faults import FAULT_FILE_ENV, HANG_PREFIX
 
+# each test waits for Serve to start a replacement replica: ~30 s on a quiet machine, minutes on a loaded one
+pytestmark = pytest.mark.startup(reason="waits for a replacement replica to start")
+
 NUM_REQUESTS = 8
 MAX_TOKENS = 48
 # far above a real step of this small model, even on a loaded machine; a hung step passes it
