@@ -169,3 +169,12 @@ loadtest: install
 BENCH_BATCHING_ARGS ?=
 bench-batching: install model
 	$(PY) loadtest/bench_batching.py $(BENCH_BATCHING_ARGS)
+
+# Soak: LLMServer replica RSS under sustained streamed load through the real HTTP path (private Ray on
+# 127.0.0.1): one warm-up round of 300 streamed completions, then 10 more rounds, RSS per replica after
+# each → reports/soak.{json,md,png} (≈ 10 min on 2 cores; BENCH_SOAK_ARGS=--quick: 60-request rounds,
+# into build/bench-soak-quick/).
+BENCH_SOAK_ARGS ?=
+.PHONY: bench-soak
+bench-soak: install model
+	$(PY) loadtest/bench_soak.py $(BENCH_SOAK_ARGS)

@@ -392,7 +392,6 @@ def main() -> None:
 
     config = yaml.safe_load((REPO / opts.config).read_text())
     args = dict(config["applications"][0]["args"])
-    args.pop("api_key", None)
     args["api_key_env"] = ""
     os.chdir(REPO)
     from serve_app.serving.app import resolve_model_path

@@ -141,8 +141,20 @@ class ServeConfig:
     its engine, whose scheduler runs `max_num_seqs` of them at once); beyond that each caller queues
     up to `max_queued_requests`, and anything more is answered 503 with `Retry-After`.
     `torch_num_threads` 0 means every core of the machine (Ray pins fractional-CPU actors to one
-    OpenMP thread otherwise). The API key comes from `api_key`, else from the environment variable
-    named by `api_key_env` when the app is built; empty means no authentication.
+    OpenMP thread otherwise). The API key is never part of the config (which Serve keeps in its
+    controller state and shows on its dashboard): each ingress replica reads it from the environment
+    variable named by `api_key_env` (default `SERVE_APP_API_KEY`) in its own process; unset or empty
+    means no authentication.
+    Liveness (docs/operations.md): `check_health` (every `health_check_period_s`) fails once the
+    engine died, or once it has had work pending and finished no step for `engine_stall_timeout_s`
+    (a hung step); Serve then replaces the replica. A replica being removed (scale-down, redeploy)
+    keeps serving its in-flight streams for up to `drain_timeout_s`, then aborts the rest (KV
+    freed; their clients get an `aborted` error and `[DONE]`); Serve's own shutdown deadline is set
+    a few seconds beyond it.
+    Fan-out: a completions request carries at most `max_prompts_per_request` prompts, and its
+    choices (n × prompts, one engine request each) never exceed `max_ongoing_requests`, what one
+    replica admits at once, so a request is refused (400) before any of its work starts rather than
+    half-admitted and then cut by backpressure.
     `stat_logger_factories` are "module:callable" paths, each called in the replica as
     `factory(config)` to make one engine `StatLogger`. `stream_batch_interval_s` > 0 lets a replica
     merge a stream's deltas that arrive within that interval into one item (the first token and the
@@ -178,7 +190,8 @@ class ServeConfig:
     autoscaling: tuple[tuple[str, Any], ...] = ()  # empty: fixed num_replicas (serving.autoscaling.AutoscalingSettings)
     health_check_period_s: float = 2.0
     health_check_timeout_s: float = 30.0
-    graceful_shutdown_timeout_s: float = 5.0
+    engine_stall_timeout_s: float = 60.0  # health check fails: work pending, no engine step finished for this long
+    drain_timeout_s: float = 60.0  # a replica being removed serves its in-flight streams this long, then aborts them
     stat_logger_factories: tuple[str, ...] = ()
     stream_batch_interval_s: float = 0.0  # >0: merge a stream's deltas for up to this long (fewer Ray items)
     # OpenAIIngress deployment
@@ -189,10 +202,10 @@ class ServeConfig:
     request_timeout_s: float = 600.0
     max_request_bytes: int = 1 << 20
     max_n: int = 8
+    max_prompts_per_request: int = 16  # prompts in one completions request (a batch); n × prompts <= max_ongoing_requests
     replica_failure_retries: int = 1
     retry_after_s: int = 1
-    api_key: str = field(default="", repr=False)
-    api_key_env: str = "SERVE_APP_API_KEY"
+    api_key_env: str = "SERVE_APP_API_KEY"  # "" disables authentication whatever the environment holds
     log_requests: bool = False  # log prompts and outputs (off: only ids, sizes and timings)
     tokenize_in_ingress: bool = True  # token ids travel with the request (needs the model's tokenizer files on ingress nodes)
     prefix_cache_salt: str = "none"  # none (one shared prefix cache) | api_key (one per bearer token)
@@ -209,13 +222,15 @@ class ServeConfig:
         _require(bool(self.model), "model", "a model directory is required")
         _require(self.backend in BACKENDS, "backend", f"must be one of {BACKENDS}, got {self.backend!r}")
         self.backend_options()  # validates the engine options (names and values) for the backend
-        for name in ("num_replicas", "ingress_num_replicas", "max_ongoing_requests", "ingress_max_ongoing_requests", "max_n"):
+        for name in ("num_replicas", "ingress_num_replicas", "max_ongoing_requests", "ingress_max_ongoing_requests", "max_n",
+                     "max_prompts_per_request"):
             _require(isinstance(getattr(self, name), int) and getattr(self, name) >= 1, name, "must be an integer >= 1")
         for name in ("max_queued_requests", "ingress_max_queued_requests"):
             _require(isinstance(getattr(self, name), int) and (getattr(self, name) >= 1 or getattr(self, name) == -1), name, "must be >= 1, or -1 for no limit")
         for name in ("num_cpus_per_replica", "num_gpus_per_replica", "ingress_num_cpus"):
             _require(getattr(self, name) >= 0, name, "must be >= 0")
-        for name in ("request_routing_stats_period_s", "health_check_period_s", "health_check_timeout_s", "request_timeout_s", "graceful_shutdown_timeout_s"):
+        for name in ("request_routing_stats_period_s", "health_check_period_s", "health_check_timeout_s", "request_timeout_s",
+                     "engine_stall_timeout_s", "drain_timeout_s"):
             _require(getattr(self, name) > 0, name, "must be > 0")
         _require(self.torch_num_threads >= 0, "torch_num_threads", "must be >= 0 (0: all cores)")
         _require(self.max_request_bytes >= 1024, "max_request_bytes", "must be >= 1024")

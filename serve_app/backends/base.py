@@ -16,6 +16,8 @@ Contracts:
   (`serve_app.engine.kv_events`), merged into the routing stats at each poll; {} when not tracked.
 - `check_health()` raises when the backend can no longer serve (e.g. its engine loop died), so that
   Ray Serve replaces the replica.
+- `seconds_without_progress()`: how long the engine has had work without finishing a step (0 when
+  idle); the replica's health check fails when it passes a bound (a hung step).
 - `shutdown()` releases the engine; idempotent.
 """
 
@@ -102,6 +104,10 @@ class Backend(ABC):
     @abstractmethod
     def check_health(self) -> None:
         """Raise (preferably `BackendDeadError`) if the backend cannot serve."""
+
+    def seconds_without_progress(self) -> float:
+        """Seconds the engine has had work pending without finishing a step; 0 while idle."""
+        return 0.0
 
     @abstractmethod
     def shutdown(self) -> None:

@@ -93,6 +93,9 @@ class NativeBackend(Backend):
         except self._engine_dead_error as exc:
             raise BackendDeadError(str(exc)) from exc
 
+    def seconds_without_progress(self) -> float:
+        return self.engine.seconds_without_progress()
+
     def shutdown(self) -> None:
         engine, self._engine, self._closed = self._engine, None, True
         if engine is not None:

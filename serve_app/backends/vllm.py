@@ -14,7 +14,8 @@ dashboards do not care which one serves:
   blocks. `abort(request_id)` ends a running stream with an `abort` finish.
 - Routing stats and our metric names come from vLLM's stat-logger hook (`backends/vllm_stats.py`);
   aborted requests, which vLLM leaves out of its stats, are recorded here.
-- `check_health` raises `BackendDeadError` once vLLM's engine core has died.
+- `check_health` raises `BackendDeadError` once vLLM's engine core has died;
+  `seconds_without_progress` counts from vLLM's last per-step stats message while requests are open.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ class VLLMBackend(Backend):
         self._dead_errors: tuple[type[BaseException], ...] = (BackendDeadError,)
         self._tokens_input: Any = None
         self._active: set[str] = set()  # request ids whose streams are open
+        self._busy_since = time.monotonic()  # when `_active` last became non-empty
         # prompt tokens of open requests with no token yet: the frontend's view of vLLM's queued prefill
         # work (routing stats; vLLM's own stats do not count it; a preempted request's recompute is missed)
         self._unread_prompt_tokens: dict[str, int] = {}
@@ -128,6 +130,8 @@ class VLLMBackend(Backend):
         num_tokens = 0
         finished = False
         stream = engine.generate(self._tokens_input(prompt_ids), params, request.request_id)
+        if not self._active:
+            self._busy_since = time.monotonic()
         self._active.add(request.request_id)
         self._unread_prompt_tokens[request.request_id] = len(prompt_ids)
         try:
@@ -188,6 +192,11 @@ class VLLMBackend(Backend):
     def check_health(self) -> None:
         if self.engine.errored:
             raise BackendDeadError("vLLM engine core is dead")
+
+    def seconds_without_progress(self) -> float:
+        if not self._active:
+            return 0.0
+        return max(0.0, time.monotonic() - max(self._busy_since, self.stats.last_update))
 
     def shutdown(self) -> None:
         engine, self._engine, self._closed = self._engine, None, True

@@ -126,6 +126,7 @@ class VLLMStatsBridge:
         self.load = EngineLoad(0.0, num_total_blocks, num_total_blocks, 0, 0)
         self.num_steps = 0  # stats messages with a step's details
         self.num_updates = 0  # stats messages (the load changed, or may have)
+        self.last_update = time.monotonic()  # when the last one came (vLLM sends one per engine step)
         self.num_errors = 0
         self._pending_preemptions = 0
 
@@ -144,6 +145,7 @@ class VLLMStatsBridge:
             step = None
             if vllm_scheduler_stats is not None:
                 self.num_updates += 1
+                self.last_update = time.monotonic()
                 self.load = engine_load(vllm_scheduler_stats, self.num_total_blocks)
                 step = scheduler_stats(vllm_scheduler_stats, self.load, self._pending_preemptions, self.num_steps)
                 if step is not None:

@@ -10,7 +10,11 @@ Contracts:
 - Leaving the iteration early (client disconnect, cancellation) aborts the request; `abort()`
   returns once the request's KV blocks are free.
 - If a step raises, every waiting caller gets `EngineDeadError` (no hang) and `check_health()`
-  raises from then on.
+  raises from then on; so does a request registered after the loop ended (at once, not at its
+  timeout), and one still open when the engine is shut down.
+- Heartbeat: `seconds_without_progress()` is how long the loop has had work (a request in the
+  engine or on its way there) without coming round (finishing a step); 0 while it waits idle for
+  requests. A hung step makes it grow; the replica's health check compares it with a bound.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import dataclasses
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 
@@ -56,6 +61,10 @@ class AsyncLLMEngine:
         self._inbox_prompt_tokens = 0
         self._error: BaseException | None = None
         self._stopped = threading.Event()
+        # heartbeat: when the loop last came round (a step finished, or it woke up with work), and
+        # whether it is blocked waiting for requests with nothing to do (no progress expected then)
+        self._heartbeat = time.monotonic()
+        self._idle = True
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -75,6 +84,10 @@ class AsyncLLMEngine:
         engine_request = self.engine.input_processor.process(request)  # raises ValueError on bad input
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request.request_id] = stream
+        if self._stopped.is_set():  # the loop ended after the check above: it will never see this stream
+            self._streams.pop(request.request_id, None)
+            self.check_health()
+            raise EngineDeadError("engine loop is not running")
         with self._inbox_lock:
             self._inbox_prompt_tokens += engine_request.num_prompt_tokens
         self._inbox.put(("add", request, engine_request))
@@ -107,10 +120,16 @@ class AsyncLLMEngine:
             in_inbox = self._inbox_prompt_tokens
         return dataclasses.replace(load, num_pending_prompt_tokens=load.num_pending_prompt_tokens + in_inbox)
 
+    def seconds_without_progress(self) -> float:
+        """Seconds the loop has had work without coming round; 0 while it waits idle for requests."""
+        if self._idle:
+            return 0.0
+        return max(0.0, time.monotonic() - self._heartbeat)
+
     def check_health(self) -> None:
         if self._error is not None:
             raise EngineDeadError(f"engine loop died: {self._error!r}") from self._error
-        if not self._thread.is_alive():
+        if self._stopped.is_set() or not self._thread.is_alive():
             raise EngineDeadError("engine loop is not running")
 
     def shutdown(self) -> None:
@@ -122,7 +141,11 @@ class AsyncLLMEngine:
     def _run(self) -> None:
         try:
             while not self._stopped.is_set():
-                self._drain_inbox(block=not self.engine.has_unfinished_requests())
+                idle = not self.engine.has_unfinished_requests()
+                self._idle = idle
+                self._drain_inbox(block=idle)
+                self._heartbeat = time.monotonic()  # before leaving idle: a reader never sees a stale beat
+                self._idle = False
                 if self._stopped.is_set():
                     break
                 if self.engine.has_unfinished_requests():
@@ -133,11 +156,13 @@ class AsyncLLMEngine:
         except BaseException as exc:  # noqa: BLE001 - any failure must reach the callers
             logger.exception("engine loop died")
             self._error = exc
-            dead = EngineDeadError(f"engine loop died: {exc!r}")
-            for stream in list(self._streams.values()):
-                stream.put(dead)
         finally:
+            # set before the streams are read: `generate` checks it after registering a stream, so a
+            # stream registered from now on fails there, and every earlier one is in this snapshot
             self._stopped.set()
+            ended = EngineDeadError(f"engine loop died: {self._error!r}" if self._error is not None else "engine shut down")
+            for stream in list(self._streams.values()):
+                stream.put(ended)
             while True:  # release anyone waiting on an abort
                 try:
                     kind, _, arg = self._inbox.get_nowait()

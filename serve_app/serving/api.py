@@ -7,8 +7,9 @@
 
 Endpoints: GET /health, GET /v1/models, GET /v1/models/{model}, POST /v1/completions,
 POST /v1/chat/completions (streamed or not). A request with `n` > 1 or a batch of prompts fans out
-into one engine request per choice, all on the same deadline (`request_timeout_s`). Prompts and
-outputs are never logged.
+into one engine request per choice, all on the same deadline (`request_timeout_s`); the fan-out is
+bounded (`max_prompts_per_request`, n × prompts <= `max_ongoing_requests`) and checked before any
+choice is sent. Prompts and outputs are never logged.
 
 With an `input_processor` (the engine's own `InputProcessor`, built by the ingress), each prompt is
 tokenized (chat template applied) once, here: the engine requests carry `prompt_token_ids`, so the
@@ -108,9 +109,11 @@ class OpenAIAPI:
     async def completions(self, body: CompletionRequest, salt: str | None = None) -> Response:
         self._check_model(body.model)
         body.validate_supported(self.config.max_n)
+        prompts = body.prompts()
+        self._check_fan_out(len(prompts), body.n)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         requests, prompt_indexes = [], []
-        for p, prompt in enumerate(body.prompts()):
+        for p, prompt in enumerate(prompts):
             first = None
             for j in range(body.n):
                 params = body.sampling_params(self.info.max_model_len, j)
@@ -124,6 +127,7 @@ class OpenAIAPI:
     async def chat_completions(self, body: ChatCompletionRequest, salt: str | None = None) -> Response:
         self._check_model(body.model)
         body.validate_supported(self.config.max_n)
+        self._check_fan_out(1, body.n)
         messages = body.engine_messages()
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         first = self._prepare(GenerateRequest(request_id, messages=messages), salt)
@@ -134,6 +138,17 @@ class OpenAIAPI:
         ]
         builder = ResponseBuilder("chat", request_id, self.info.name, body.include_usage)
         return await self._generate(builder, requests, [0] * body.n, body.stream, CHAT_PARAM_ALIASES)
+
+    def _check_fan_out(self, num_prompts: int, n: int) -> None:
+        """A request's engine requests must fit what one replica admits, else none is started."""
+        if num_prompts > self.config.max_prompts_per_request:
+            raise APIError(400, f"prompt: {num_prompts} prompts in one request exceed the limit of "
+                           f"{self.config.max_prompts_per_request}; send them as separate requests",
+                           param="prompt", code="too_many_prompts")
+        limit = self.config.max_ongoing_requests
+        if num_prompts * n > limit:
+            raise APIError(400, f"n: n × prompts = {n} × {num_prompts} = {num_prompts * n} choices exceed the limit of "
+                           f"{limit} per request", param="n", code="too_many_choices")
 
     def _check_model(self, name: str) -> None:
         if name != self.info.name:

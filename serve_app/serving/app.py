@@ -8,9 +8,7 @@ and then the repository root, so replicas (whatever their working directory) get
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +17,7 @@ from ray.serve.config import RequestRouterConfig
 
 from serve_app.config import ServeConfig
 from serve_app.serving.ingress import OpenAIIngress
-from serve_app.serving.llm_server import LLMServer
+from serve_app.serving.llm_server import ABORT_GRACE_S, LLMServer
 from serve_app.serving.routing_policy import ROUTER_CLASSES
 
 logger = logging.getLogger(__name__)
@@ -36,10 +34,6 @@ def resolve_model_path(model: str) -> str:
         if (base / path).is_dir():
             return str((base / path).resolve())
     raise ValueError(f"model: {model!r} is not a directory here or under {REPO_ROOT} (run `make model` for the default model)")
-
-
-def resolve_api_key(config: ServeConfig) -> str:
-    return config.api_key or (os.environ.get(config.api_key_env, "") if config.api_key_env else "")
 
 
 def request_router_config(config: ServeConfig) -> RequestRouterConfig:
@@ -62,8 +56,6 @@ def request_router_config(config: ServeConfig) -> RequestRouterConfig:
 
 
 def build_app_from_config(config: ServeConfig) -> Application:
-    api_key = resolve_api_key(config)
-    config = dataclasses.replace(config, api_key="")  # the key goes to the ingress only, never to replicas' args
     actor_options: dict[str, Any] = {"num_cpus": config.num_cpus_per_replica}
     if config.num_gpus_per_replica:
         actor_options["num_gpus"] = config.num_gpus_per_replica
@@ -78,7 +70,8 @@ def build_app_from_config(config: ServeConfig) -> Application:
         request_router_config=request_router_config(config),
         health_check_period_s=config.health_check_period_s,
         health_check_timeout_s=config.health_check_timeout_s,
-        graceful_shutdown_timeout_s=config.graceful_shutdown_timeout_s,
+        # Serve kills a stopping replica at this deadline: the replica's own drain ends before it
+        graceful_shutdown_timeout_s=config.drain_timeout_s + ABORT_GRACE_S,
         **({"max_replicas_per_node": config.max_replicas_per_node} if config.max_replicas_per_node else {}),
     ).bind(config)
     ingress = OpenAIIngress.options(
@@ -86,11 +79,12 @@ def build_app_from_config(config: ServeConfig) -> Application:
         ray_actor_options={"num_cpus": config.ingress_num_cpus},
         max_ongoing_requests=config.ingress_max_ongoing_requests,
         max_queued_requests=config.ingress_max_queued_requests,
-    ).bind(server, config, api_key)
+    ).bind(server, config)  # no key here: init args live in Serve's controller state
     replicas = (f"{autoscaling.min_replicas}-{autoscaling.max_replicas} (autoscaling)" if autoscaling
                 else str(config.num_replicas))
-    logger.info("serving %s (%s LLMServer replica(s), router %s, API key %s)", config.model_name, replicas,
-                config.request_router_class or config.router, "required" if api_key else "not required")
+    logger.info("serving %s (%s LLMServer replica(s), router %s, API key from %s)", config.model_name, replicas,
+                config.request_router_class or config.router,
+                f"${config.api_key_env} in each ingress replica" if config.api_key_env else "nowhere (no authentication)")
     return ingress
 
 

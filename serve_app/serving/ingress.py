@@ -5,12 +5,17 @@ lives in module globals. The constructor waits until an LLMServer replica answer
 so a RUNNING ingress means the API can serve; it then logs the URL clients use. With
 `tokenize_in_ingress` it loads the model's tokenizer through the engine's own `InputProcessor`, and
 prompts are tokenized here, once (the router hashes those ids; replicas do not tokenize again).
+
+The API key is read here, in the replica's own process, from the environment variable the config
+names (`api_key_env`): it never travels as a deployment argument, which Serve would keep in its
+controller state and show on its dashboard.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 
 from fastapi import FastAPI
@@ -34,11 +39,19 @@ def make_input_processor(config: ServeConfig, max_model_len: int):
     return InputProcessor(config.model, vocab_size, max_model_len, None)
 
 
+def api_key_from_env(variable: str) -> str:
+    """The API key in environment variable `variable` ("" when unset, or when `variable` is "")."""
+    key = os.environ.get(variable, "").strip() if variable else ""
+    if variable and not key:
+        logger.warning("no API key: $%s is not set in this ingress replica, the API is open", variable)
+    return key
+
+
 @serve.deployment(name="OpenAIIngress")
 @serve.ingress()
 class OpenAIIngress:
-    async def __init__(self, llm: DeploymentHandle, config: ServeConfig, api_key: str = "") -> None:
-        self._api_key = api_key
+    async def __init__(self, llm: DeploymentHandle, config: ServeConfig) -> None:
+        self._api_key = api_key_from_env(config.api_key_env)
         info = await llm.model_info.remote()
         self.api = OpenAIAPI(llm, config, info, make_input_processor(config, info.max_model_len))
         logger.info("OpenAI-compatible API ready: model %r (context %d tokens, backend %s)",

@@ -11,13 +11,19 @@ Called only through a `DeploymentHandle` (from `OpenAIIngress`):
   `num_pending_prompt_tokens`, the step-cost fit, `sampled_at`, and the incremental prefix-cache
   view `kv_*` of `serve_app.engine.kv_events`)
   to request routers (`serve_app.serving.router`); and `check_health()` every `health_check_period_s`: it raises once the engine loop died,
-  and Serve replaces the replica.
+  or once the engine has had work pending and finished no step for `engine_stall_timeout_s` (a
+  hung step), and Serve replaces the replica.
+- Drain: once Serve begins shutting the replica down (scale-down, redeploy), its in-flight requests
+  get up to `drain_timeout_s` to finish; the rest are then aborted in the engine (KV freed, their
+  streams end with an `abort` finish, which the ingress reports as an error) before Serve's own
+  deadline (`drain_timeout_s` + `ABORT_GRACE_S`) kills the process.
 
 torch is imported only inside the replica (when the backend starts), never at module load.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import importlib
@@ -30,12 +36,18 @@ from typing import Any
 
 from ray import serve
 
-from serve_app.backends import Backend, ModelInfo, make_backend
+from serve_app.backends import Backend, BackendDeadError, ModelInfo, make_backend
 from serve_app.config import ServeConfig
 from serve_app.metrics.loggers import RayStatLogger
+from serve_app.serving.drain import shutdown_probe
 from serve_app.types import GenerateRequest, RequestOutput
 
 logger = logging.getLogger("ray.serve")
+
+# after the drain deadline: time for the aborted streams' last chunks to reach the ingress before
+# Serve kills the replica
+ABORT_GRACE_S = 5.0
+DRAIN_POLL_S = 0.25
 
 
 @dataclass(frozen=True)
@@ -120,6 +132,8 @@ class LLMServer:
         self.backend: Backend = make_backend(config, stat_loggers)
         await self.backend.start()
         self._info = self.backend.model_info()
+        self._in_flight: dict[str, asyncio.Task] = {}  # open `generate` calls by request id
+        self._drain_task = asyncio.get_running_loop().create_task(self._drain_on_shutdown())
         logger.info("LLMServer replica ready: model %s, context %d tokens, torch threads %s",
                     self._info.name, self._info.max_model_len, threads or "n/a")
 
@@ -129,6 +143,9 @@ class LLMServer:
         request = dataclasses.replace(request, arrival_time=time.monotonic())
         num_tokens = 0
         reason = None
+        task = asyncio.current_task()
+        if task is not None:
+            self._in_flight[request.request_id] = task
         try:
             async with contextlib.aclosing(batch_stream(self.backend.generate(request), self.config.stream_batch_interval_s)) as chunks:
                 async for chunk in chunks:
@@ -136,6 +153,7 @@ class LLMServer:
                     reason = chunk.finish_reason
                     yield chunk
         finally:
+            self._in_flight.pop(request.request_id, None)
             if self.config.log_requests:
                 logger.info("request %s: prompt %r → %d tokens (%s)", request.request_id,
                             request.prompt if request.messages is None else request.messages, num_tokens, reason)
@@ -159,8 +177,52 @@ class LLMServer:
 
     def check_health(self) -> None:
         self.backend.check_health()
+        stalled_s = self.backend.seconds_without_progress()
+        if stalled_s > self.config.engine_stall_timeout_s:
+            raise BackendDeadError(f"engine stalled: requests pending and no step finished for {stalled_s:.0f} s "
+                                   f"(engine_stall_timeout_s={self.config.engine_stall_timeout_s:g})")
+
+    async def _drain_on_shutdown(self) -> None:
+        started = shutdown_probe()
+        if started is None:  # not under Serve (tests), or a Serve whose internals changed
+            return
+        while not started():
+            await asyncio.sleep(DRAIN_POLL_S)
+        await self.drain(self.config.drain_timeout_s)
+
+    async def drain(self, timeout_s: float) -> int:
+        """Let the in-flight requests finish for up to `timeout_s` (not at all if the engine is
+        unhealthy), then abort the rest: their KV blocks are free when this returns, or, if the
+        engine does not answer within `ABORT_GRACE_S` / 2 (hung), their calls are cancelled.
+        Returns how many requests were cut."""
+        healthy = self._is_healthy()
+        logger.info("draining: %d in-flight request(s), up to %.0f s%s", len(self._in_flight), timeout_s,
+                    "" if healthy else " (engine unhealthy: not waiting)")
+        deadline = time.monotonic() + (timeout_s if healthy else 0.0)
+        while self._in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(DRAIN_POLL_S)
+        left = dict(self._in_flight)
+        if left:
+            logger.warning("drain: aborting %d request(s) still running", len(left))
+            aborts = asyncio.gather(*(self.backend.abort(request_id) for request_id in left), return_exceptions=True)
+            try:
+                await asyncio.wait_for(aborts, ABORT_GRACE_S / 2)
+            except TimeoutError:
+                for task in left.values():
+                    task.cancel()
+        return len(left)
+
+    def _is_healthy(self) -> bool:
+        try:
+            self.check_health()
+        except Exception:  # noqa: BLE001 - any failure means: do not wait for this engine
+            return False
+        return True
 
     def __del__(self) -> None:
+        task = getattr(self, "_drain_task", None)
+        if task is not None:
+            task.cancel()
         backend = getattr(self, "backend", None)
         if backend is not None:
             backend.shutdown()

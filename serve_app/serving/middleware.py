@@ -1,8 +1,12 @@
 """Pure-ASGI guards in front of the API routes (streaming responses pass through untouched).
 
-- `APIKeyMiddleware`: with a key configured, every `/v1/*` request needs
-  `Authorization: Bearer <key>` (constant-time comparison); otherwise 401 with an OpenAI error body
-  and `WWW-Authenticate: Bearer`. `/health` stays open for probes.
+- `APIKeyMiddleware`: with a key configured, every HTTP request needs `Authorization: Bearer <key>`
+  (constant-time comparison), whatever its path, unknown routes included; otherwise 401 with an
+  OpenAI error body and `WWW-Authenticate: Bearer`. Only the health probe (`/health` below the app's
+  mount point) stays open. The mount point matters: Ray Serve keeps an application's
+  `route_prefix` in `scope["path"]` and states it in `scope["root_path"]`, so `/llm/v1/models` is
+  the app's `/v1/models` under `route_prefix: /llm`; anything that is not exactly the probe is
+  checked, so a prefix can never open a route.
 - `BodySizeLimitMiddleware`: a body larger than `max_bytes` is answered 413 before any route runs:
   at once when `Content-Length` says so, otherwise (chunked uploads) as soon as the received bytes
   pass the limit. The body is buffered (requests are small JSON) and replayed to the app.
@@ -27,15 +31,22 @@ async def _no_receive() -> Message:  # pragma: no cover - a Response never reads
 
 
 class APIKeyMiddleware:
-    def __init__(self, app: ASGIApp, api_key: str, protected_prefix: str = "/v1/") -> None:
+    def __init__(self, app: ASGIApp, api_key: str, open_paths: tuple[str, ...] = ("/health",)) -> None:
         if not api_key:
             raise ValueError("api_key: must not be empty when authentication is enabled")
         self.app = app
         self._expected = f"Bearer {api_key}".encode()
-        self._prefix = protected_prefix
+        self._open_paths = frozenset(open_paths)
+
+    def _is_open(self, scope: Scope) -> bool:
+        """The request is for an open path of this app, relative to where the app is mounted."""
+        path, root = scope["path"], scope.get("root_path", "")
+        if root and path.startswith(root):
+            path = path[len(root):]
+        return path in self._open_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith(self._prefix):
+        if scope["type"] == "http" and not self._is_open(scope):
             supplied = b""
             for name, value in scope.get("headers", ()):
                 if name == b"authorization":

@@ -143,3 +143,88 @@ def test_engine_failure_reaches_every_caller(model_dir):
     with pytest.raises(EngineDeadError):
         engine.check_health()
     engine.shutdown()
+
+
+def test_request_registered_just_after_engine_death_fails_at_once(model_dir):
+    """The loop dies while a request is being tokenized (after `generate`'s first health check):
+    the request must fail at once with EngineDeadError, not wait for a timeout."""
+    engine = AsyncLLMEngine.from_kwargs(model_dir, dtype="float32", kv_cache_memory_gib=0.1)
+    processor = engine.engine.input_processor
+    original = processor.process
+
+    def process_while_the_loop_dies(request):
+        out = original(request)
+        engine._inbox.put(("add", None, None))  # a malformed item: the loop raises on it and dies
+        engine._thread.join(timeout=10)
+        assert not engine._thread.is_alive()
+        return out
+
+    processor.process = process_while_the_loop_dies
+
+    async def main():
+        request = GenerateRequest("late", prompt="Hi", sampling_params=GREEDY)
+        with pytest.raises(EngineDeadError):
+            await asyncio.wait_for(collect(engine, request), timeout=10)
+
+    asyncio.run(main())
+    engine.shutdown()
+
+
+def test_streams_open_at_shutdown_end_with_an_error(model_dir):
+    engine = AsyncLLMEngine.from_kwargs(model_dir, dtype="float32", kv_cache_memory_gib=0.1)
+
+    async def main():
+        request = GenerateRequest("long", prompt="Hi", sampling_params=SamplingParams(max_tokens=2000, ignore_eos=True))
+        stream = engine.generate(request)
+        await stream.__anext__()
+        engine.shutdown()
+        with pytest.raises(EngineDeadError):
+            await asyncio.wait_for(stream.__anext__(), timeout=10)
+            await asyncio.wait_for(stream.__anext__(), timeout=10)
+        with pytest.raises(EngineDeadError):
+            await collect(engine, GenerateRequest("after", prompt="Hi", sampling_params=GREEDY))
+
+    asyncio.run(main())
+
+
+def test_heartbeat_grows_only_while_a_step_hangs(model_dir):
+    """`seconds_without_progress` is 0 while idle or stepping, and grows while a step hangs."""
+    import threading
+
+    from tests.polling import wait_for
+
+    engine = AsyncLLMEngine.from_kwargs(model_dir, dtype="float32", kv_cache_memory_gib=0.1)
+    runner = engine.engine.core.model_runner
+    original = runner.execute_model
+    hang, hanging = threading.Event(), threading.Event()
+
+    def maybe_hang(scheduler_output):
+        if hang.is_set():
+            hanging.set()
+            hang.wait_release.wait(60)
+        return original(scheduler_output)
+
+    hang.wait_release = threading.Event()
+    runner.execute_model = maybe_hang
+    assert engine.seconds_without_progress() == 0.0
+
+    async def main():
+        first = await collect(engine, GenerateRequest("ok", prompt="Hi", sampling_params=GREEDY))
+        assert first[2].finished
+        await wait_idle(engine)
+        # idle (once the loop has come round to wait for requests): no progress expected
+        await asyncio.to_thread(wait_for, lambda: engine.seconds_without_progress() == 0.0, 10, 0.05, "an idle loop")
+        hang.set()
+        task = asyncio.ensure_future(collect(engine, GenerateRequest("hung", prompt="Hi", sampling_params=GREEDY)))
+        await asyncio.to_thread(hanging.wait, 30)
+        await asyncio.to_thread(wait_for, lambda: engine.seconds_without_progress() > 0.5, 30, 0.05, "a stalled heartbeat")
+        engine.check_health()  # alive: judging a stall is the replica's business (a bound in its config)
+        hang.clear()
+        hang.wait_release.set()
+        _text, tokens, last = await asyncio.wait_for(task, 30)
+        assert last.finished and len(tokens) == GREEDY.max_tokens
+        await wait_idle(engine)
+        await asyncio.to_thread(wait_for, lambda: engine.seconds_without_progress() == 0.0, 10, 0.05, "an idle loop")
+
+    asyncio.run(main())
+    engine.shutdown()

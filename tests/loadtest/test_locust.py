@@ -18,13 +18,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.serving.conftest import MODEL_NAME, REPO, app_args, serve_app
+from tests.serving.conftest import API_KEY, API_KEY_ENV, MODEL_NAME, REPO, app_args, serve_app
 
 LOCUST = Path(sys.executable).with_name("locust")
 MAX_TOKENS = 12
-API_KEY = "locust-test-key"
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.startup(reason="starts Ray, Serve and a Locust process within bounds")]
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +37,7 @@ def served(model_dir):
         ray.shutdown()
     ray.init(include_dashboard=False, log_to_driver=False, namespace="loadtest-tests")
     try:
-        args = app_args(num_replicas=1, torch_num_threads=1, api_key=API_KEY,
+        args = app_args(num_replicas=1, torch_num_threads=1, api_key_env=API_KEY_ENV,
                         engine={"dtype": "bfloat16", "num_blocks": 512, "max_num_seqs": 16})
         with serve_app(ray, args) as app:
             yield app

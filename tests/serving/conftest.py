@@ -24,6 +24,10 @@ from tests.polling import wait_for  # noqa: F401 (also re-exported to test modul
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # before Ray starts: loopback only
 # fault injection (tests/serving/faults.py): replicas inherit this environment from the driver
 os.environ.setdefault("SERVE_APP_TEST_FAULT_FILE", str(Path(tempfile.gettempdir()) / f"serve_app_test_fault_{os.getpid()}"))
+# the API key of apps deployed with `api_key_env=API_KEY_ENV`: ingress replicas read it from their own
+# environment, inherited from the driver, so it must be set before Ray starts
+API_KEY_ENV = "SERVE_APP_TEST_API_KEY"
+API_KEY = os.environ.setdefault(API_KEY_ENV, "sk-test-3f9c1a")
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL_DIR = REPO / "models" / "smollm2-135m-instruct"
@@ -64,7 +68,7 @@ def ray_cluster():
 
 @dataclass(frozen=True)
 class ServedApp:
-    base_url: str  # http://127.0.0.1:<port>
+    base_url: str  # http://127.0.0.1:<port>[<route prefix>]
     args: dict[str, Any]
 
     @property
@@ -91,8 +95,8 @@ def app_args(**overrides: Any) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def serve_app(ray_cluster, args: dict[str, Any]) -> Iterator[ServedApp]:
-    """Start Serve on a free loopback port, deploy the app and wait until it is RUNNING."""
+def serve_app(ray_cluster, args: dict[str, Any], route_prefix: str = "/") -> Iterator[ServedApp]:
+    """Start Serve on a free loopback port, deploy the app under `route_prefix` and wait until it is RUNNING."""
     from ray import serve
 
     from serve_app.serving.app import build_app
@@ -100,8 +104,8 @@ def serve_app(ray_cluster, args: dict[str, Any]) -> Iterator[ServedApp]:
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
-        serve.run(build_app(args), name=APP_NAME, route_prefix="/")
-        yield ServedApp(f"http://127.0.0.1:{port}", args)
+        serve.run(build_app(args), name=APP_NAME, route_prefix=route_prefix)
+        yield ServedApp(f"http://127.0.0.1:{port}{route_prefix.rstrip('/')}", args)
     finally:
         with contextlib.suppress(Exception):
             serve.delete(APP_NAME)

@@ -96,10 +96,13 @@ class FakeHandle:
             raise in_replica(BackendDeadError("engine loop died"))
 
 
-def make_client(handle: FakeHandle, api_key: str = "", **config) -> httpx.AsyncClient:
+def make_client(handle: FakeHandle, api_key: str = "", root_path: str = "", **config) -> httpx.AsyncClient:
+    """A client of the app mounted at `root_path` (as Ray Serve mounts it under a `route_prefix`:
+    the prefix stays in the request path and is stated in the ASGI `root_path`)."""
     cfg = ServeConfig(model="unused", **config)
     app = build_fastapi_app(OpenAIAPI(handle, cfg, INFO), api_key=api_key)
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test", timeout=30)
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app, root_path=root_path),
+                             base_url=f"http://test{root_path}", timeout=30)
 
 
 def ok_script(request: GenerateRequest, attempt: int) -> FakeResponse:
@@ -279,6 +282,36 @@ def test_n_fans_out_with_distinct_seeds_and_fails_together():
     assert all(r.cancelled or not r._items for r in failing.responses)
 
 
+def test_fan_out_is_bounded_before_any_work_starts():
+    """A 1 MiB body can carry ~10^5 prompts: the prompt count and n × prompts are bounded with a 400,
+    and nothing reaches a replica (no work that admission would then refuse)."""
+    handle = FakeHandle(ok_script)
+    completion = {"model": MODEL, "max_tokens": 2}
+
+    async def main():
+        async with make_client(handle, max_ongoing_requests=16, max_prompts_per_request=8) as c:
+            r = await c.post("/v1/completions", json={**completion, "prompt": [[1, 2]] * 9})
+            assert error_of(r, 400)["code"] == "too_many_prompts"
+            r = await c.post("/v1/completions", json={**completion, "prompt": ["a"] * 100_000})
+            error = error_of(r, 400)
+            assert (error["param"], error["code"]) == ("prompt", "too_many_prompts") and "100000" in error["message"]
+            r = await c.post("/v1/completions", json={**completion, "prompt": ["a"] * 6, "n": 3, "stream": True})
+            error = error_of(r, 400)
+            assert (error["param"], error["code"]) == ("n", "too_many_choices") and "18" in error["message"]
+            assert handle.calls == []
+            r = await c.post("/v1/completions", json={**completion, "prompt": ["a"] * 8, "n": 2})  # 16: at the limit
+            assert r.status_code == 200 and len(r.json()["choices"]) == 16
+            assert len(handle.calls) == 16
+        async with make_client(handle, max_ongoing_requests=4) as c:  # chat: n alone is the fan-out
+            error = error_of(await c.post("/v1/chat/completions", json={**CHAT, "n": 5}), 400)
+            assert (error["param"], error["code"]) == ("n", "too_many_choices")
+            assert len(handle.calls) == 16
+
+    run(main())
+    with pytest.raises(ValueError, match="^max_prompts_per_request:"):
+        ServeConfig(model="m", max_prompts_per_request=0)
+
+
 def test_unexpected_exception_is_500_without_details():
     handle = FakeHandle(lambda req, attempt: FakeResponse([in_replica(RuntimeError("secret user text"))]))
 
@@ -324,16 +357,26 @@ def test_health_probe():
     run(main())
 
 
-def test_api_key_guard():
+@pytest.mark.parametrize("root_path", ["", "/llm", "/a/b"])
+def test_api_key_guard(root_path):
+    """Every route needs the key wherever the app is mounted; only the health probe is open."""
+    completion = {"model": MODEL, "prompt": "hi"}
+    wrong = {"Authorization": "Bearer wrong"}
+
     async def main():
-        async with make_client(FakeHandle(ok_script), api_key="s3cret") as c:
+        async with make_client(FakeHandle(ok_script), api_key="s3cret", root_path=root_path) as c:
             r = await c.post("/v1/chat/completions", json=CHAT)
             assert error_of(r, 401)["code"] == "invalid_api_key" and r.headers["www-authenticate"] == "Bearer"
-            r = await c.post("/v1/chat/completions", json=CHAT, headers={"Authorization": "Bearer wrong"})
-            error_of(r, 401)
-            assert (await c.get("/v1/models")).status_code == 401
-            r = await c.post("/v1/chat/completions", json=CHAT, headers={"Authorization": "Bearer s3cret"})
-            assert r.status_code == 200
+            for stream in (False, True):
+                error_of(await c.post("/v1/chat/completions", json={**CHAT, "stream": stream}, headers=wrong), 401)
+                error_of(await c.post("/v1/completions", json={**completion, "stream": stream}), 401)
+            for path in ("/v1/models", f"/v1/models/{MODEL}", "/v2/anything", "/v1", "/", "/health/x"):
+                error_of(await c.get(path), 401)
+            auth = {"Authorization": "Bearer s3cret"}
+            assert (await c.post("/v1/chat/completions", json=CHAT, headers=auth)).status_code == 200
+            r = await c.post("/v1/completions", json={**completion, "stream": True}, headers=auth)
+            assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")
+            assert (await c.get("/v1/models", headers=auth)).json()["data"][0]["id"] == MODEL
             assert (await c.get("/health")).status_code == 200  # probes need no key
 
     run(main())

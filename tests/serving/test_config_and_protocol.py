@@ -50,11 +50,10 @@ def test_serve_config_rejects_bad_values(args, param):
 def test_serve_config_is_frozen_and_picklable():
     import pickle
 
-    cfg = ServeConfig.from_dict({"model": "models/x", "engine": {"max_num_seqs": 4, "dtype": "bfloat16"}, "api_key": "sk-zzz-secret"})
+    cfg = ServeConfig.from_dict({"model": "models/x", "engine": {"max_num_seqs": 4, "dtype": "bfloat16"}})
     assert cfg.engine == (("dtype", "bfloat16"), ("max_num_seqs", 4))
     assert cfg.engine_config().scheduler.max_num_seqs == 4 and cfg.model_name == "x"
     assert pickle.loads(pickle.dumps(cfg)) == cfg
-    assert "sk-zzz-secret" not in repr(cfg)  # the API key never shows up in logs
     with pytest.raises(AttributeError):
         cfg.num_replicas = 3  # type: ignore[misc]
 
@@ -77,7 +76,7 @@ def test_shipped_serve_configs_validate(name):
         assert cfg.engine_config().model.dtype == "bfloat16"
 
 
-def test_build_app_resolves_model_path_and_api_key(monkeypatch, tmp_path):
+def test_build_app_resolves_model_path(monkeypatch, tmp_path):
     model = tmp_path / "models" / "tiny"
     model.mkdir(parents=True)
     monkeypatch.chdir(tmp_path)
@@ -86,12 +85,27 @@ def test_build_app_resolves_model_path_and_api_key(monkeypatch, tmp_path):
         or not (REPO / "models" / "smollm2-135m-instruct").is_dir()
     with pytest.raises(ValueError, match="^model:"):
         app_module.resolve_model_path("models/does-not-exist")
-    monkeypatch.setenv("MY_KEY_VAR", "from-env")
-    assert app_module.resolve_api_key(ServeConfig(model="m", api_key_env="MY_KEY_VAR")) == "from-env"
-    assert app_module.resolve_api_key(ServeConfig(model="m", api_key="from-config", api_key_env="MY_KEY_VAR")) == "from-config"
-    assert app_module.resolve_api_key(ServeConfig(model="m", api_key_env="")) == ""
     application = app_module.build_app({"model": "models/tiny", "num_replicas": 3, "num_cpus_per_replica": 0.25})
     assert application is not None
+
+
+def test_api_key_never_travels_in_deployment_arguments(monkeypatch, tmp_path):
+    """Serve keeps deployment arguments in its controller state (and shows them on its dashboard):
+    the key is read from the environment inside each ingress replica instead."""
+    import cloudpickle
+
+    from serve_app.serving.ingress import api_key_from_env
+
+    (tmp_path / "tiny").mkdir()
+    monkeypatch.setenv("MY_KEY_VAR", "sk-zzz-secret")
+    application = app_module.build_app({"model": str(tmp_path / "tiny"), "api_key_env": "MY_KEY_VAR"})
+    assert b"sk-zzz-secret" not in cloudpickle.dumps(application)
+    assert api_key_from_env("MY_KEY_VAR") == "sk-zzz-secret"  # what the ingress replica reads
+    assert api_key_from_env("") == ""  # api_key_env "": no authentication
+    monkeypatch.delenv("MY_KEY_VAR")
+    assert api_key_from_env("MY_KEY_VAR") == ""
+    with pytest.raises(ValueError, match="^api_key: not a serving option"):
+        ServeConfig.from_dict({"model": "m", "api_key": "sk-in-the-config"})
 
 
 def test_serving_layer_imports_without_torch():

@@ -1,11 +1,10 @@
 """Security and backpressure through a real deployment with tight limits: API key (from the
-environment) required on /v1/*, request-size limit (413), overload → 503 + Retry-After instead of an
+ingress replica's environment) required on every route but the health probe, request-size limit (413), overload → 503 + Retry-After instead of an
 unbounded queue, per-request timeout (504, or an error event mid-stream) that frees the KV blocks."""
 
 from __future__ import annotations
 
 import json
-import os
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -13,6 +12,8 @@ import openai
 import pytest
 
 from tests.serving.conftest import (
+    API_KEY,
+    API_KEY_ENV,
     MODEL_NAME,
     app_args,
     assert_error_body,
@@ -21,8 +22,6 @@ from tests.serving.conftest import (
     wait_until_idle,
 )
 
-API_KEY = "sk-test-3f9c1a"
-KEY_ENV = "SERVE_APP_TEST_API_KEY"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 TIMEOUT_S = 8.0
 MAX_BYTES = 8192
@@ -30,16 +29,12 @@ MAX_BYTES = 8192
 
 @pytest.fixture(scope="module")
 def app(ray_cluster, model_dir):
-    os.environ[KEY_ENV] = API_KEY  # read by build_app on this (driver) process
     args = app_args(
-        num_replicas=1, api_key_env=KEY_ENV, max_ongoing_requests=2, max_queued_requests=2, request_timeout_s=TIMEOUT_S,
+        num_replicas=1, api_key_env=API_KEY_ENV, max_ongoing_requests=2, max_queued_requests=2, request_timeout_s=TIMEOUT_S,
         max_request_bytes=MAX_BYTES, retry_after_s=2, engine={"num_blocks": 128, "max_num_seqs": 4},
     )
-    try:
-        with serve_app(ray_cluster, args) as served:
-            yield served
-    finally:
-        os.environ.pop(KEY_ENV, None)
+    with serve_app(ray_cluster, args) as served:
+        yield served
 
 
 @pytest.fixture(scope="module")
@@ -52,12 +47,14 @@ def small_chat(**fields) -> dict:
     return {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, **fields}
 
 
-def test_api_key_required_on_v1(http, app):
+def test_api_key_required(http, app):
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
-        r = http.post("/v1/chat/completions", json=small_chat(), headers=headers)
-        assert_error_body(r, 401, code="invalid_api_key", type_="authentication_error")
-        assert r.headers["www-authenticate"] == "Bearer"
+        for stream in (False, True):
+            r = http.post("/v1/chat/completions", json=small_chat(stream=stream), headers=headers)
+            assert_error_body(r, 401, code="invalid_api_key", type_="authentication_error")
+            assert r.headers["www-authenticate"] == "Bearer"
     assert_error_body(http.get("/v1/models"), 401)
+    assert_error_body(http.get("/not-a-route"), 401)
     assert http.get("/health").status_code == 200  # probes need no key
     assert http.post("/v1/chat/completions", json=small_chat(), headers=AUTH).status_code == 200
 

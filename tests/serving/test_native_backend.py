@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
+import time
 
 import pytest
 
@@ -139,6 +140,82 @@ def test_llm_server_replica_health_and_engine_death(model_dir):
             with pytest.raises(BackendDeadError):  # new requests fail fast instead of hanging
                 async for _ in server.generate(GenerateRequest("r3", prompt="Hello")):
                     pass
+        finally:
+            server.__del__()
+
+    asyncio.run(main())
+
+
+def test_llm_server_health_fails_while_a_step_hangs(model_dir):
+    """A step that never finishes (thread alive) fails the health check after `engine_stall_timeout_s`
+    while work is pending; an idle engine never does."""
+    import threading
+
+    from tests.polling import wait_for
+
+    async def main():
+        cls = LLMServer.func_or_class
+        server = cls.__new__(cls)
+        await server.__init__(config(model_dir, engine_stall_timeout_s=0.5))
+        runner = server.backend.engine.engine.core.model_runner
+        original, release = runner.execute_model, threading.Event()
+
+        def hung(scheduler_output):
+            release.wait(60)
+            return original(scheduler_output)
+
+        try:
+            await asyncio.sleep(1.0)
+            server.check_health()  # idle for longer than the bound: healthy
+            runner.execute_model = hung
+            task = asyncio.ensure_future(collect(server, GenerateRequest("h", prompt="Hi", sampling_params=SamplingParams(max_tokens=3))))
+
+            def unhealthy():
+                try:
+                    server.check_health()
+                except BackendDeadError as exc:
+                    return str(exc)
+                return None
+
+            message = await asyncio.to_thread(wait_for, unhealthy, 30, 0.05, "a failing health check")
+            assert message.startswith("engine stalled") and "engine_stall_timeout_s=0.5" in message
+            release.set()
+            chunks = await asyncio.wait_for(task, 30)
+            assert chunks[-1].finished and chunks[-1].finish_reason == "length"
+            server.check_health()
+        finally:
+            release.set()
+            server.__del__()
+
+    asyncio.run(main())
+
+
+def test_llm_server_drain_finishes_short_requests_and_aborts_the_rest(model_dir):
+    async def main():
+        cls = LLMServer.func_or_class
+        server = cls.__new__(cls)
+        await server.__init__(config(model_dir))
+        runner = server.backend.engine.engine.core.model_runner
+        original = runner.execute_model
+
+        def paced(scheduler_output):  # >= 20 ms a step: the long request cannot finish within the drain
+            time.sleep(0.02)
+            return original(scheduler_output)
+
+        runner.execute_model = paced
+        try:
+            short = asyncio.ensure_future(collect(server, GenerateRequest("short", prompt="Hi", sampling_params=SamplingParams(max_tokens=4, ignore_eos=True))))
+            long = asyncio.ensure_future(collect(server, GenerateRequest("long", prompt="Hi", sampling_params=SamplingParams(max_tokens=1000, ignore_eos=True))))
+            while server.routing_stats()["num_running"] < 2:
+                await asyncio.sleep(0.01)
+            assert await server.drain(timeout_s=5.0) == 1  # the long one is still running at the deadline
+            short_chunks, long_chunks = await asyncio.wait_for(asyncio.gather(short, long), 30)
+            assert short_chunks[-1].finish_reason == "length" and sum(len(c.token_ids) for c in short_chunks) == 4
+            assert long_chunks[-1].finished and long_chunks[-1].finish_reason == "abort"
+            stats = server.routing_stats()
+            assert stats["num_free_blocks"] == stats["num_total_blocks"] and stats["num_running"] == 0  # KV freed
+            server.backend.engine.engine.core.block_manager.check_integrity()
+            assert await server.drain(timeout_s=5.0) == 0  # nothing in flight: returns at once
         finally:
             server.__del__()
 

@@ -2,7 +2,9 @@
 - kill one replica's actor: the other replica's requests finish, the killed replica's requests end
   with an error event (no hang), Serve brings a new replica up, and new requests succeed;
 - kill one replica's *engine loop* (injected through the stat-logger hook): its requests fail with
-  an engine error, its `check_health` fails so Serve replaces it, the other replica keeps serving."""
+  an engine error, its `check_health` fails so Serve replaces it, the other replica keeps serving;
+- hang one replica's engine step (thread alive, no step finishes): its health check fails after
+  `engine_stall_timeout_s`, Serve replaces it, its clients get an error, the other keeps serving."""
 
 from __future__ import annotations
 
@@ -27,15 +29,21 @@ from tests.serving.conftest import (
     wait_for,
     wait_until_idle,
 )
-from tests.serving.faults import FAULT_FILE_ENV
+from tests.serving.faults import FAULT_FILE_ENV, HANG_PREFIX
+
+# each test waits for Serve to start a replacement replica: ~30 s on a quiet machine, minutes on a loaded one
+pytestmark = pytest.mark.startup(reason="waits for a replacement replica to start")
 
 NUM_REQUESTS = 8
 MAX_TOKENS = 48
+# far above a real step of this small model, even on a loaded machine; a hung step passes it
+STALL_TIMEOUT_S = 8.0
 
 
 @pytest.fixture(scope="module")
 def app(ray_cluster, model_dir):
     args = app_args(num_replicas=2, max_ongoing_requests=16, health_check_period_s=1.0,
+                    engine_stall_timeout_s=STALL_TIMEOUT_S, drain_timeout_s=3.0,
                     stat_logger_factories=["tests.serving.faults:make_fault_logger"])
     trigger = Path(os.environ[FAULT_FILE_ENV])
     trigger.unlink(missing_ok=True)
@@ -89,15 +97,16 @@ def running_per_replica() -> dict[str, int]:
     return {name: s["num_running"] + s["num_waiting"] for name, s in replica_stats().items()}
 
 
-def wait_replaced(victim: str, survivor: str, before: set[str]) -> None:
-    """Serve runs 2 replicas again: the survivor and one new replica instead of the victim."""
+def wait_replaced(victim: str, survivor: str, before: set[str], timeout_s: float = 300) -> None:
+    """Serve runs 2 replicas again: the survivor and one new replica instead of the victim (a replica
+    starts in ~30 s on a quiet machine, in over 100 s on a loaded one)."""
 
     def replaced():
         status = serve.status().applications[APP_NAME].deployments["LLMServer"]
         names = set(replica_actors())
         return status.replica_states.get("RUNNING", 0) == 2 and victim not in names and len(names) == 2 and names
 
-    names = wait_for(replaced, 120, interval_s=1.0, message=f"a replacement for {victim}")
+    names = wait_for(replaced, timeout_s, interval_s=1.0, message=f"a replacement for {victim}")
     assert survivor in names and len(names - before) == 1
 
 
@@ -186,6 +195,36 @@ def test_engine_death_fails_health_check_and_replica_is_replaced(app):
         wait_replaced(victim, survivor, before)  # its health check fails and Serve replaces it
     finally:
         trigger.unlink(missing_ok=True)
+    wait_until_idle(2)
+    with httpx.Client(base_url=app.base_url, timeout=60) as c:
+        for _ in range(4):
+            r = c.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 4})
+            assert r.status_code == 200, r.text
+
+
+def test_hung_engine_fails_health_check_and_replica_is_replaced(app):
+    wait_until_idle(2)
+    before = set(replica_actors())
+    thread, holder, placed = start_load_and_place(app, 6)
+    assert all(n >= 1 for n in placed.values()), placed
+    victim = min(placed, key=lambda name: (placed[name], name))
+    survivor = next(name for name in placed if name != victim)
+    trigger = Path(os.environ[FAULT_FILE_ENV])
+    trigger.write_text(HANG_PREFIX + victim)  # its next step blocks, its thread stays alive
+    try:
+        wait_replaced(victim, survivor, before)  # stalled past the bound: unhealthy, replaced
+        thread.join(timeout=180)
+        assert not thread.is_alive(), "requests hung with the engine"
+    finally:
+        trigger.unlink(missing_ok=True)
+    results = holder["results"]
+    ok = [r for r in results if r["error"] is None]
+    failed = [r for r in results if r["error"] is not None]
+    assert len(ok) == placed[survivor] and len(failed) == placed[victim], (placed, results)
+    for r in ok:
+        assert r["done"] and r["tokens"] == MAX_TOKENS
+    for r in failed:  # the stream had started: an error event, then [DONE]
+        assert r["done"] and r["error"]["type"] == "server_error" and set(r["error"]) == {"message", "type", "param", "code"}
     wait_until_idle(2)
     with httpx.Client(base_url=app.base_url, timeout=60) as c:
         for _ in range(4):

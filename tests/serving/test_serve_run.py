@@ -21,6 +21,7 @@ from tests.serving.conftest import MODEL_NAME, REPO, free_port, wait_for
 
 SERVE_BIN = Path(sys.executable).with_name("serve")
 READY_TIMEOUT_S = 180  # the README promises < 60 s on an idle 2-core machine; CI machines are noisy
+pytestmark = pytest.mark.startup(reason="starts `serve run` (a Ray cluster and the app) in a subprocess within a bound")
 
 
 def _stop(proc: subprocess.Popen, timeout_s: float = 60) -> None:
