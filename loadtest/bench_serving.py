@@ -41,6 +41,9 @@ from typing import Any
 import psutil
 import yaml
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # loadtest.* when run as a script
+from loadtest import serving_path  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 # one event loop for every measurement: the HTTP client's pooled connections belong to it
 LOOP = asyncio.new_event_loop()
@@ -109,8 +112,8 @@ class ServeTarget:
 
         from serve_app.serving.app import build_app
 
-        if not ray.is_initialized():
-            ray.init(include_dashboard=False, log_to_driver=False)
+        if not ray.is_initialized():  # replicas import loadtest.null_backend from the repository
+            ray.init(include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
         port = _free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         t0 = time.perf_counter()
@@ -119,7 +122,7 @@ class ServeTarget:
         self.url = f"http://127.0.0.1:{port}/v1/completions"
         self.model = Path(args["model"]).name
         self.client = httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=256, max_keepalive_connections=256))
-        self._processes = _serve_processes()
+        self.processes = _serve_processes()
 
     async def hop_latency(self, num: int = 30) -> dict[str, float]:
         """p50 round trip of requests that generate nothing: the serving layer's own latency."""
@@ -138,7 +141,7 @@ class ServeTarget:
     def cpu_seconds(self) -> dict[str, float]:
         """Cumulative CPU time per group of this Ray instance's processes (+ this client process)."""
         out = {"client": _cpu(psutil.Process())}
-        for group, procs in self._processes.items():
+        for group, procs in self.processes.items():
             out[group] = sum(_cpu(p) for p in procs)
         return out
 
@@ -283,7 +286,7 @@ def write_report(results: dict[str, Any], out_dir: Path) -> None:
     (out_dir / "serving.json").write_text(json.dumps(results, indent=2))
     w = results["workload"]
     lines = [
-        "# Serving overhead: Ray Serve (OpenAI API) vs the engine called directly",
+        "# The serving path: its ceiling (null engine) and its cost with the real engine (Serve vs direct)",
         "",
         f"Generated {results['date']} by:",
         "",
@@ -300,6 +303,9 @@ def write_report(results: dict[str, Any], out_dir: Path) -> None:
         "Serve proxy → OpenAIIngress → LLMServer replica(s) → SSE (client-side timings, stream_options.include_usage).",
         "",
     ]
+    if "null" in results:
+        lines += serving_path.report_lines(results) + ["![tokens/s carried and serving CPU per token](serving.png)", ""]
+        serving_path.plot(results, out_dir / "serving.png")
     for v in results["variants"]:
         s = v["summary"]
         threads = v.get("torch_threads_per_replica", "?")
@@ -369,16 +375,27 @@ def _groups(summary: dict[str, Any]) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="configs/local.yaml", help="Serve YAML whose first application's args are used")
-    parser.add_argument("--replicas", type=int, nargs="+", default=None, help="LLMServer replica counts to measure")
-    parser.add_argument("--replica-threads", type=int, nargs="+", default=None,
-                        help="torch threads per replica for each --replicas entry (0: all cores; default: the config's)")
+    parser.add_argument("--replicas", type=int, nargs="+", default=[1], help="LLMServer replica counts to measure")
+    parser.add_argument("--replica-threads", type=int, nargs="+", default=[0],
+                        help="torch threads per replica for each --replicas entry (0: all cores)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--ttft-requests", type=int, default=16)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[8, 32])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[8, 32, 64])
+    null = parser.add_argument_group("null engine sweep (the path's ceiling)")
+    null.add_argument("--null-streams", type=int, nargs="+", default=[64, 256])
+    null.add_argument("--null-output-lens", type=int, nargs="+", default=[128, 512])
+    null.add_argument("--null-ingress", type=int, nargs="+", default=[1, 2], help="ingress replica counts")
+    null.add_argument("--null-batch", type=float, nargs="+", default=[0.0, 0.05], help="stream_batch_interval_s values")
+    null.add_argument("--null-step-time", type=float, default=0.02, help="null engine step time (s)")
+    null.add_argument("--null-max-num-seqs", type=int, default=256)
+    null.add_argument("--null-repeats", type=int, default=2)
+    parser.add_argument("--skip-null", action="store_true", help="only the real engine: Serve vs direct")
+    parser.add_argument("--skip-real", action="store_true", help="only the null-engine sweep")
     parser.add_argument("--out-dir", default=None)
-    parser.add_argument("--quick", action="store_true", help="1 repeat, 4 TTFT requests, 16 output tokens")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run: null 64 streams × 128 tokens, 1 repeat; real engine 1 repeat, 16 output tokens")
     parser.add_argument("--render", metavar="JSON", help="only rewrite the Markdown report from a previous serving.json")
     opts = parser.parse_args()
     if opts.render:
@@ -387,7 +404,10 @@ def main() -> None:
         print((Path(opts.out_dir or Path(opts.render).parent) / "serving.md").read_text())
         return
     if opts.quick:
-        opts.repeats, opts.ttft_requests, opts.output_len = 1, 4, 16
+        opts.repeats, opts.ttft_requests, opts.output_len, opts.concurrency = 1, 4, 16, [8, 32]
+        opts.null_streams, opts.null_output_lens, opts.null_repeats = [64], [128], 1
+    if len(opts.replica_threads) != len(opts.replicas):
+        parser.error("--replica-threads needs one value per --replicas entry")
     out_dir = Path(opts.out_dir or (REPO / ("build/bench-serving-quick" if opts.quick else "reports")))
 
     config = yaml.safe_load((REPO / opts.config).read_text())
@@ -410,18 +430,25 @@ def main() -> None:
         "variants": [],
         "direct_torch_threads": os.cpu_count(),
     }
-    direct = DirectTarget(args["model"], engine_kwargs)
+    print(f"[bench-serving] load average at start: {results['loadavg_start']}", flush=True)
     try:
-        counts = opts.replicas or [args.get("num_replicas", 1)]
-        threads = opts.replica_threads or [args.get("torch_num_threads", 0)] * len(counts)
-        if len(threads) != len(counts):
-            parser.error("--replica-threads needs one value per --replicas entry")
-        for replicas, n_threads in zip(counts, threads, strict=True):
-            variant = run_variant(direct, {**args, "num_replicas": replicas, "torch_num_threads": n_threads}, opts, vocab)
-            variant["torch_threads_per_replica"] = n_threads or os.cpu_count()
-            results["variants"].append(variant)
+        if not opts.skip_null:
+            results["null"] = {
+                "workload": {"step_time_s": opts.null_step_time, "max_num_seqs": opts.null_max_num_seqs,
+                             "prompt_len": opts.prompt_len, "repeats": opts.null_repeats},
+                "variants": serving_path.run_null_sweep(
+                    ServeTarget, LOOP.run_until_complete, args["model"],
+                    lambda n: random_prompts(n, opts.prompt_len, vocab, seed=n), opts, lambda m: print(m, flush=True))}
+        if not opts.skip_real:
+            direct = DirectTarget(args["model"], engine_kwargs)
+            try:
+                for replicas, n_threads in zip(opts.replicas, opts.replica_threads, strict=True):
+                    variant = run_variant(direct, {**args, "num_replicas": replicas, "torch_num_threads": n_threads}, opts, vocab)
+                    variant["torch_threads_per_replica"] = n_threads or os.cpu_count()
+                    results["variants"].append(variant)
+            finally:
+                direct.close()
     finally:
-        direct.close()
         import ray
 
         if ray.is_initialized():
