@@ -292,6 +292,8 @@ def write_report(results: dict[str, Any], out_dir: Path) -> None:
         "",
         f"    {results['command']}",
         "",
+        f"Serve environment: `{json.dumps(results.get('serve_env', {}))}`.",
+        "",
         f"Machine: {results['machine']}. Load average at start: {results['loadavg_start']}, at end: {results['loadavg_end']} "
         "(other work shared the machine: compare the paired ratios, not absolute numbers across runs).",
         f"Engine options (both targets, from {w['config']}): `{json.dumps(w['engine'])}`. Prompts: {w['prompt_len']} random "
@@ -393,6 +395,8 @@ def main() -> None:
     null.add_argument("--null-repeats", type=int, default=2)
     parser.add_argument("--skip-null", action="store_true", help="only the real engine: Serve vs direct")
     parser.add_argument("--skip-real", action="store_true", help="only the null-engine sweep")
+    parser.add_argument("--serve-env", nargs="*", default=[], metavar="NAME=VALUE",
+                        help="environment for every Ray/Serve process (e.g. RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0)")
     parser.add_argument("--out-dir", default=None)
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: null 64 streams × 128 tokens, 1 repeat; real engine 1 repeat, 16 output tokens")
@@ -431,6 +435,8 @@ def main() -> None:
         "direct_torch_threads": os.cpu_count(),
     }
     print(f"[bench-serving] load average at start: {results['loadavg_start']}", flush=True)
+    results["serve_env"] = dict(item.split("=", 1) for item in opts.serve_env)
+    os.environ.update(results["serve_env"])  # before Ray starts: the raylet and every worker inherit it
     try:
         if not opts.skip_null:
             results["null"] = {
