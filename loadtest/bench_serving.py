@@ -119,6 +119,8 @@ class ServeTarget:
         t0 = time.perf_counter()
         serve.run(build_app(args), name="bench", route_prefix="/")
         self.startup_s = time.perf_counter() - t0
+        if os.environ.get("RAY_SERVE_ENABLE_DIRECT_INGRESS") == "1":  # the ingress replica listens itself
+            port = _direct_ingress_port()
         self.url = f"http://127.0.0.1:{port}/v1/completions"
         self.model = Path(args["model"]).name
         self.client = httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=256, max_keepalive_connections=256))
@@ -195,6 +197,20 @@ def _cpu(proc: psutil.Process) -> float:
         return t.user + t.system
     except psutil.Error:
         return 0.0
+
+
+def _direct_ingress_port() -> int:
+    """The port Serve's direct ingress gave the (first) ingress replica, found by asking each port of
+    its range (RAY_SERVE_DIRECT_INGRESS_MIN/MAX_HTTP_PORT) for /v1/models."""
+    import httpx
+
+    low = int(os.environ.get("RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT", "30000"))
+    high = int(os.environ.get("RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT", "31000"))
+    for port in range(low, high + 1):
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2).status_code == 200:
+                return port
+    raise RuntimeError(f"no direct-ingress replica answers on 127.0.0.1:{low}-{high}")
 
 
 def _free_port() -> int:
