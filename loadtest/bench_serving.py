@@ -199,6 +199,13 @@ def _cpu(proc: psutil.Process) -> float:
         return 0.0
 
 
+def _stop_ray() -> None:
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+
+
 def _direct_ingress_port() -> int:
     """The port Serve's direct ingress gave the (first) ingress replica, found by asking each port of
     its range (RAY_SERVE_DIRECT_INGRESS_MIN/MAX_HTTP_PORT) for /v1/models."""
@@ -409,6 +416,8 @@ def main() -> None:
     null.add_argument("--null-step-time", type=float, default=0.02, help="null engine step time (s)")
     null.add_argument("--null-max-num-seqs", type=int, default=256)
     null.add_argument("--null-repeats", type=int, default=2)
+    null.add_argument("--null-profiles", nargs="+", default=list(serving_path.PROFILES), choices=serving_path.PROFILES,
+                      help="default: through the HTTP proxy; direct: Serve's throughput settings + direct ingress")
     parser.add_argument("--skip-null", action="store_true", help="only the real engine: Serve vs direct")
     parser.add_argument("--skip-real", action="store_true", help="only the null-engine sweep")
     parser.add_argument("--serve-env", nargs="*", default=[], metavar="NAME=VALUE",
@@ -458,9 +467,21 @@ def main() -> None:
             results["null"] = {
                 "workload": {"step_time_s": opts.null_step_time, "max_num_seqs": opts.null_max_num_seqs,
                              "prompt_len": opts.prompt_len, "repeats": opts.null_repeats},
-                "variants": serving_path.run_null_sweep(
-                    ServeTarget, LOOP.run_until_complete, args["model"],
-                    lambda n: random_prompts(n, opts.prompt_len, vocab, seed=n), opts, lambda m: print(m, flush=True))}
+                "variants": [], "profile_env": {}}
+            for profile in opts.null_profiles:  # each in its own Ray instance: Serve reads these at process start
+                env = serving_path.profile_env(profile)
+                results["null"]["profile_env"][profile] = env
+                saved = dict(os.environ)
+                os.environ.update(env)
+                try:
+                    results["null"]["variants"] += serving_path.run_null_sweep(
+                        ServeTarget, LOOP.run_until_complete, args["model"],
+                        lambda n: random_prompts(n, opts.prompt_len, vocab, seed=n), opts, lambda m: print(m, flush=True),
+                        profile)
+                finally:
+                    _stop_ray()
+                    os.environ.clear()
+                    os.environ.update(saved)
         if not opts.skip_real:
             direct = DirectTarget(args["model"], engine_kwargs)
             try:
@@ -471,10 +492,7 @@ def main() -> None:
             finally:
                 direct.close()
     finally:
-        import ray
-
-        if ray.is_initialized():
-            ray.shutdown()
+        _stop_ray()
     results["loadavg_end"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
     write_report(results, out_dir)
     print(f"[bench-serving] wrote {out_dir / 'serving.md'}")

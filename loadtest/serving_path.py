@@ -35,11 +35,13 @@ class PathVariant:
 
     ingress_replicas: int
     batch_interval_s: float
+    profile: str = "default"  # "direct": Serve's throughput settings + direct ingress (see PROFILES)
 
     @property
     def label(self) -> str:
         batching = f"batching {1000 * self.batch_interval_s:.0f} ms" if self.batch_interval_s else "batching off"
-        return f"{self.ingress_replicas} ingress, {batching}"
+        hops = "direct ingress + Serve throughput mode" if self.profile == "direct" else "proxy"
+        return f"{self.ingress_replicas} ingress, {batching}, {hops}"
 
 
 def null_app_args(model: str, variant: PathVariant, step_time_s: float, max_num_seqs: int) -> dict[str, Any]:
@@ -123,13 +125,35 @@ async def measure_point(target, prompts: list[list[int]], output_len: int) -> di
             "cpu_ms_per_token": cpu_ms, "serving_cpu_ms_per_token": serving}
 
 
-def run_null_sweep(make_target, run, model: str, prompts_for, opts, log) -> list[dict[str, Any]]:
+# Ray Serve's own throughput settings (environment variables read by every Serve process at start):
+# `RAY_SERVE_THROUGHPUT_OPTIMIZED=1` runs user code and the handle's router on the replica's main
+# event loop, sends handle calls by value over gRPC, buffers request logs and freezes the GC after
+# start-up; direct ingress lets the ingress replica answer HTTP itself (no proxy hop), each ingress
+# replica on its own port from a range (the benchmark picks a free range).
+PROFILES = ("default", "direct")
+
+
+def profile_env(profile: str) -> dict[str, str]:
+    if profile == "default":
+        return {}
+    import socket
+
+    with socket.socket() as s:  # a free port; its neighbours are very likely free too
+        s.bind(("127.0.0.1", 0))
+        http = s.getsockname()[1]
+    return {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
+            "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(http), "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(http + 4),
+            "RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT": str(http + 5), "RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT": str(http + 9)}
+
+
+def run_null_sweep(make_target, run, model: str, prompts_for, opts, log, profile: str = "default") -> list[dict[str, Any]]:
     """Every variant × (streams, output length) point; `make_target(args)` deploys an app (ServeTarget),
-    `run(coroutine)` runs a measurement on the client's event loop, `prompts_for(n)` makes n prompts."""
+    `run(coroutine)` runs a measurement on the client's event loop, `prompts_for(n)` makes n prompts.
+    Direct ingress measures one ingress replica (the client talks to one replica's port)."""
     out = []
-    for ingress in opts.null_ingress:
+    for ingress in ([1] if profile == "direct" else opts.null_ingress):
         for interval in opts.null_batch:
-            variant = PathVariant(ingress, interval)
+            variant = PathVariant(ingress, interval, profile)
             target = make_target(null_app_args(model, variant, opts.null_step_time, opts.null_max_num_seqs))
             points = []
             try:
@@ -145,7 +169,7 @@ def run_null_sweep(make_target, run, model: str, prompts_for, opts, log) -> list
                             points.append(point)
             finally:
                 target.close()
-            out.append({"ingress_replicas": ingress, "batch_interval_s": interval, "label": variant.label,
+            out.append({"ingress_replicas": ingress, "batch_interval_s": interval, "label": variant.label, "profile": profile,
                         "startup_s": target.startup_s, "points": points})
     return out
 
