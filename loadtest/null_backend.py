@@ -331,6 +331,7 @@ class NullBackend(Backend):
                 engine.abort(seq.request_id)
 
     async def abort(self, request_id: str) -> None:
+        """Queues the abort; the engine thread frees the request's blocks before its next step."""
         self.engine.abort(request_id)
 
     def routing_stats(self) -> RoutingStats:
