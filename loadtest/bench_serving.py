@@ -418,6 +418,8 @@ def main() -> None:
     null.add_argument("--null-repeats", type=int, default=2)
     null.add_argument("--null-profiles", nargs="+", default=list(serving_path.PROFILES), choices=serving_path.PROFILES,
                       help="default: through the HTTP proxy; direct: Serve's throughput settings + direct ingress")
+    parser.add_argument("--real-profile", default="default", choices=serving_path.PROFILES,
+                        help="how the real engine is served (as --null-profiles)")
     parser.add_argument("--skip-null", action="store_true", help="only the real engine: Serve vs direct")
     parser.add_argument("--skip-real", action="store_true", help="only the null-engine sweep")
     parser.add_argument("--serve-env", nargs="*", default=[], metavar="NAME=VALUE",
@@ -483,6 +485,9 @@ def main() -> None:
                     os.environ.clear()
                     os.environ.update(saved)
         if not opts.skip_real:
+            results["real_profile"] = opts.real_profile
+            results["serve_env"].update(serving_path.profile_env(opts.real_profile))
+            os.environ.update(results["serve_env"])
             direct = DirectTarget(args["model"], engine_kwargs)
             try:
                 for replicas, n_threads in zip(opts.replicas, opts.replica_threads, strict=True):
