@@ -239,9 +239,11 @@ def plot(results: dict[str, Any], path) -> None:
     import matplotlib.pyplot as plt
 
     w = results["null"]["workload"]
-    fig, (ax_rate, ax_cpu) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for variant in results["null"]["variants"]:
+    fig, (ax_rate, ax_cpu) = plt.subplots(1, 2, figsize=(12, 6.5))
+    lens = sorted({p["output_len"] for v in results["null"]["variants"] for p in v["points"]})
+    for color, variant in zip(plt.cm.tab10.colors, results["null"]["variants"], strict=False):
         for output_len in sorted({p["output_len"] for p in variant["points"]}):
+            style = {"color": color, "linestyle": ("-", "--", ":", "-.")[lens.index(output_len) % 4]}
             streams = sorted({p["streams"] for p in variant["points"] if p["output_len"] == output_len})
             rate, cpu = [], []
             for s in streams:
@@ -249,8 +251,8 @@ def plot(results: dict[str, Any], path) -> None:
                 rate.append(statistics.median(p["output_tok_s"] for p in pts))
                 cpu.append(statistics.median(p["serving_cpu_ms_per_token"] for p in pts))
             label = f"{variant['label']}, {output_len} tok"
-            ax_rate.plot(streams, rate, marker="o", label=label)
-            ax_cpu.plot(streams, cpu, marker="o", label=label)
+            ax_rate.plot(streams, rate, marker="o", label=label, **style)
+            ax_cpu.plot(streams, cpu, marker="o", **style)
     all_streams = sorted({p["streams"] for v in results["null"]["variants"] for p in v["points"]})
     ax_rate.plot(all_streams, [engine_rate(s, w["step_time_s"], w["max_num_seqs"]) for s in all_streams], "k--",
                  label="null engine alone")
@@ -259,9 +261,9 @@ def plot(results: dict[str, Any], path) -> None:
     ax_cpu.set(xlabel="concurrent streams", ylabel="serving CPU ms per output token", title="Serving CPU per token")
     ax_rate.set_ylim(bottom=0)
     ax_cpu.set_ylim(bottom=0)
-    ax_rate.legend(fontsize=7)
-    ax_cpu.legend(fontsize=7)
+    ax_cpu.legend(fontsize=8)
+    fig.legend(*ax_rate.get_legend_handles_labels(), loc="lower center", ncol=2, fontsize=8)
     fig.suptitle(f"Null engine, step {1000 * w['step_time_s']:.0f} ms; load average at start {results['loadavg_start']}")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.25, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
