@@ -1,23 +1,19 @@
-"""Serving overhead benchmark: the engine behind Ray Serve (HTTP, OpenAI API) against the engine called
-directly, same engine options, same prompts, in one run.
+"""The serving path benchmark (`make bench-serving`): its ceiling with the null engine, then the real
+engine through Ray Serve against the same engine called directly, in one run.
 
-Measures
-- TTFT at low load: one streamed request at a time (128 random prompt tokens, 8 output tokens),
-  `--ttft-requests` per repeat; client-side time from sending to the first token.
-  Direct: `AsyncLLMEngine.generate` in this process. Serve: POST /v1/completions (stream) through
-  the proxy → OpenAIIngress → LLMServer replica → SSE back.
-- Output tok/s at 8 and 32 concurrent streams (128 random prompt tokens, `--output-len` tokens each,
-  ignore_eos, greedy): all streams start together; tok/s = output tokens / wall time until the last
-  finishes; also TTFT p50/p99 under that load.
+1. Null-engine sweep (loadtest/serving_path.py, loadtest/null_backend.py): streams × output length ×
+   ingress replicas × stream batching × profile (through the proxy, or direct ingress with Serve's
+   throughput settings): tokens/s carried, CPU ms per output token per process (the null engine and
+   the client counted apart), TTFT and ITL at the client.
+2. Real engine (configs/local.yaml's engine options): TTFT at low load (sequential streamed requests),
+   output tok/s at 8/32/64 concurrent streams (128 random prompt tokens, `--output-len` tokens each,
+   ignore_eos, greedy), CPU per output token per process. Direct: `AsyncLLMEngine.generate` in this
+   process. Serve: POST /v1/completions (stream) → proxy → OpenAIIngress → LLMServer → SSE. Repeats are
+   interleaved (direct, then Serve, alternating order) so that a change in machine load hits both
+   alike; ratios are taken per repeat and reported as median [min-max].
 
-Repeats are interleaved (direct, then Serve, for each measurement of each repeat) so that a change
-in machine load hits both alike; ratios are taken per repeat and reported as median [min-max].
-The Serve app is built from configs/local.yaml (engine options, replicas, threads) unless overridden;
-`--replicas 2 1 --replica-threads 1 0` measures 2 replicas with one torch thread each and 1 replica
-with every core, each against the direct engine (every core).
-
-    .venv/bin/python loadtest/bench_serving.py --replicas 2 1 --replica-threads 1 0   # reports/serving.{json,md}
-    .venv/bin/python loadtest/bench_serving.py --quick               # smoke run (build/bench-serving-quick/)
+    .venv/bin/python loadtest/bench_serving.py            # reports/serving.{json,md,png}
+    .venv/bin/python loadtest/bench_serving.py --quick    # smoke run (build/bench-serving-quick/)
 """
 
 from __future__ import annotations
@@ -41,10 +37,10 @@ from typing import Any
 import psutil
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # loadtest.* when run as a script
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # loadtest.* when run as a script
 from loadtest import serving_path  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
 # one event loop for every measurement: the HTTP client's pooled connections belong to it
 LOOP = asyncio.new_event_loop()
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # Ray on the loopback address only
