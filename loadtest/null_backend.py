@@ -13,7 +13,9 @@ stats, aborts freeing blocks, and the hand-off to the replica's event loop: one 
 one `call_soon_threadsafe` per step carrying every stream's delta, as a GPU engine would.
 
 What is not: sampling (stop strings, EOS and penalties are ignored: every request runs to
-`max_tokens` or the context length) and prefill cost (a prompt takes one step, whatever its length).
+`max_tokens` or the context length), prefill cost (a prompt takes one step, whatever its length) and
+preemption (a running request that finds no free KV block ends with "length"; size `num_blocks` so it
+never happens).
 
 The engine thread names itself `null-engine` at the OS level, so a benchmark can read its CPU time
 from /proc and count it apart from the replica's serving work (loadtest/bench_serving.py does).
