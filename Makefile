@@ -178,3 +178,12 @@ BENCH_SOAK_ARGS ?=
 .PHONY: bench-soak
 bench-soak: install model
 	$(PY) loadtest/bench_soak.py $(BENCH_SOAK_ARGS)
+
+# The serving path: null-engine sweep (the path's ceiling: tok/s carried, CPU ms per token per process,
+# TTFT / ITL added; 1 and 2 ingress replicas, stream batching off and 50 ms) + the real engine through
+# Serve vs called directly at 8/32/64 streams → reports/serving.{json,md,png} (≈ 15 min on a quiet machine;
+# BENCH_SERVING_ARGS=--quick: ≈ 5 min, into build/bench-serving-quick/; docs/serving-path.md explains it).
+BENCH_SERVING_ARGS ?=
+.PHONY: bench-serving
+bench-serving: install model
+	$(PY) loadtest/bench_serving.py $(BENCH_SERVING_ARGS)

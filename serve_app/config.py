@@ -135,7 +135,9 @@ class ServeConfig:
     as `dtype`, `device`, `max_num_seqs`, `kv_cache_memory_gib`), stored as sorted (name, value) pairs
     so the config stays frozen and picklable. `backend` picks the engine: `native` (this repository's;
     `engine` holds `EngineConfig` names) or `vllm` (vLLM's V1 async engine; `engine` holds
-    `backends.vllm_options.VLLMOptions` names, validated here without importing vllm).
+    `backends.vllm_options.VLLMOptions` names, validated here without importing vllm), or the
+    "module:Class" import path of any other `Backend` subclass (e.g. the benchmarks' null engine,
+    loadtest/null_backend.py), whose `options_from_kwargs(engine)` validates `engine`.
 
     Capacity: each LLMServer replica holds at most `max_ongoing_requests` requests (they all enter
     its engine, whose scheduler runs `max_num_seqs` of them at once); beyond that each caller queues
@@ -220,7 +222,8 @@ class ServeConfig:
         autoscaling = autoscaling.items() if isinstance(autoscaling, dict) else autoscaling
         object.__setattr__(self, "autoscaling", tuple(sorted((str(k), v) for k, v in autoscaling)))
         _require(bool(self.model), "model", "a model directory is required")
-        _require(self.backend in BACKENDS, "backend", f"must be one of {BACKENDS}, got {self.backend!r}")
+        _require(self.backend in BACKENDS or ":" in self.backend, "backend",
+                 f"must be one of {BACKENDS} or a 'module:Class' import path, got {self.backend!r}")
         self.backend_options()  # validates the engine options (names and values) for the backend
         for name in ("num_replicas", "ingress_num_replicas", "max_ongoing_requests", "ingress_max_ongoing_requests", "max_n",
                      "max_prompts_per_request"):
@@ -292,18 +295,44 @@ class ServeConfig:
         _require(self.backend == "vllm", "backend", f"vllm_options() is the vLLM backend's; this is {self.backend!r}")
         return VLLMOptions.from_kwargs(**self.engine_kwargs)
 
-    def backend_options(self) -> EngineConfig | VLLMOptions:
-        return self.vllm_options() if self.backend == "vllm" else self.engine_config()
+    def backend_options(self) -> Any:
+        """The engine options, validated: `EngineConfig` (native), `VLLMOptions` (vllm) or a plugin's."""
+        if self.backend == "vllm":
+            return self.vllm_options()
+        if self.backend == "native":
+            return self.engine_config()
+        return self.backend_class().options_from_kwargs(self.engine_kwargs)
+
+    def backend_class(self) -> Any:
+        """A plugin backend's class (`backend: "module:Class"`, a `serve_app.backends.Backend` subclass
+        with `options_from_kwargs(engine)` and `from_serve_config(config, stat_loggers)`)."""
+        import importlib
+
+        module, _, name = self.backend.partition(":")
+        try:
+            cls = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError) as exc:
+            raise ValueError(f"backend: cannot import {self.backend!r}: {exc}") from exc
+        from serve_app.backends.base import Backend
+
+        _require(isinstance(cls, type) and issubclass(cls, Backend), "backend", f"{self.backend!r} is not a Backend class")
+        return cls
 
     @property
     def device(self) -> str:
         """Where the engine runs: "cpu" or "cuda[:N]" (either backend)."""
-        return self.vllm_options().device if self.backend == "vllm" else self.engine_config().model.device
+        if self.backend == "native":
+            return self.engine_config().model.device
+        return self.backend_options().device
 
     @property
     def kv_block_size(self) -> int:
         """Tokens per KV-cache block in the engine (routers estimate a request's blocks with it)."""
-        return self.vllm_options().effective_block_size if self.backend == "vllm" else self.engine_config().cache.block_size
+        if self.backend == "native":
+            return self.engine_config().cache.block_size
+        if self.backend == "vllm":
+            return self.vllm_options().effective_block_size
+        return self.backend_options().block_size
 
     def autoscaling_settings(self) -> AutoscalingSettings | None:
         """The LLMServer autoscaling settings, None for a fixed `num_replicas`."""

@@ -194,10 +194,20 @@ class AsyncLLMEngine:
             self.engine.add_processed(request, engine_request)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
+        # one wake-up of each event loop per step, carrying every stream's delta (not one per token:
+        # each call_soon_threadsafe writes the loop's self-pipe)
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is not None:
-                stream.put(out)
+                by_loop.setdefault(stream.loop, []).append((stream.queue, out))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, items)
+
+
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for q, out in items:
+        q.put_nowait(out)
 
 
 def _resolve(future: asyncio.Future) -> None:

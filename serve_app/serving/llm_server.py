@@ -31,7 +31,6 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 from ray import serve
@@ -40,7 +39,10 @@ from serve_app.backends import Backend, BackendDeadError, ModelInfo, make_backen
 from serve_app.config import ServeConfig
 from serve_app.metrics.loggers import RayStatLogger
 from serve_app.serving.drain import shutdown_probe
-from serve_app.types import GenerateRequest, RequestOutput
+from serve_app.serving.stream_batching import GenerationChunk, batch_stream
+from serve_app.types import GenerateRequest
+
+__all__ = ["GenerationChunk", "LLMServer", "batch_stream"]
 
 logger = logging.getLogger("ray.serve")
 
@@ -48,48 +50,6 @@ logger = logging.getLogger("ray.serve")
 # Serve kills the replica
 ABORT_GRACE_S = 5.0
 DRAIN_POLL_S = 0.25
-
-
-@dataclass(frozen=True)
-class GenerationChunk:
-    """What crosses the replica → ingress hop for each delta (no prompt ids, no metrics objects)."""
-
-    text: str
-    token_ids: tuple[int, ...]
-    finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort" on the last chunk
-    num_prompt_tokens: int
-    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (set on the last chunk)
-
-    @classmethod
-    def from_output(cls, out: RequestOutput) -> GenerationChunk:
-        reason = None if out.finish_reason is None else str(out.finish_reason)
-        cached = out.metrics.num_cached_tokens if out.finished and out.metrics is not None else 0
-        return cls(out.text, tuple(out.token_ids), out.finished, reason, out.num_prompt_tokens, cached)
-
-    def merge(self, later: GenerationChunk) -> GenerationChunk:
-        """This delta followed by a later one, as a single delta."""
-        return GenerationChunk(self.text + later.text, self.token_ids + later.token_ids, later.finished,
-                               later.finish_reason, later.num_prompt_tokens, later.num_cached_tokens)
-
-
-async def batch_stream(outputs: AsyncIterator[RequestOutput], interval_s: float) -> AsyncIterator[GenerationChunk]:
-    """Deltas as chunks; with `interval_s` > 0, deltas arriving within `interval_s` of the previous
-    yield are merged into the next one. The first delta and the finish are yielded at once, so TTFT
-    and end-to-end latency are untouched; a held delta waits at most `interval_s` + one engine step."""
-    pending: GenerationChunk | None = None
-    last_yield = -float("inf")
-    first = True
-    async with contextlib.aclosing(outputs):  # leaving early closes the backend stream: abort, free KV
-        async for out in outputs:
-            chunk = GenerationChunk.from_output(out)
-            pending = chunk if pending is None else pending.merge(chunk)
-            now = time.monotonic()
-            if first or pending.finished or interval_s <= 0 or now - last_yield >= interval_s:
-                yield pending
-                pending, last_yield, first = None, now, False
-    if pending is not None:  # pragma: no cover - a backend stream always ends with a finished delta
-        yield pending
 
 
 def import_attr(path: str) -> Any:

@@ -68,6 +68,15 @@ class ResponseBuilder:
         self.created = int(time.time())
         self.include_usage = include_usage
         self._chunk_object = "text_completion" if kind == "completion" else "chat.completion.chunk"
+        # a delta's event is this request's fixed JSON around two encoded values (text, finish reason):
+        # `_event`'s output, byte for byte, without building and encoding the whole body per delta
+        head = json.dumps({"id": request_id, "object": self._chunk_object, "created": self.created, "model": model},
+                          ensure_ascii=False)[:-1]
+        text_key = '"text": ' if kind == "completion" else '"delta": {"content": '
+        self._delta_head = f'data: {head}, "choices": [{{"index": '
+        self._delta_text = f", {text_key}"
+        self._delta_tail = ("" if kind == "completion" else "}") + ', "logprobs": null, "finish_reason": '
+        self._event_tail = ']' + (', "usage": null' if include_usage else "") + "}\n\n"
 
     # ---- non-streamed ----------------------------------------------------------------------------
     def full(self, choices: list[ChoiceState]) -> dict:
@@ -107,6 +116,9 @@ class ResponseBuilder:
         reason = chunk.finish_reason if chunk.finished else None
         if not chunk.text and reason is None:
             return ""
+        if chunk.text:  # the common case: the template (chat: a finish without text has an empty delta)
+            return (f"{self._delta_head}{index}{self._delta_text}{json.dumps(chunk.text, ensure_ascii=False)}"
+                    f"{self._delta_tail}{'null' if reason is None else json.dumps(reason)}}}{self._event_tail}")
         if self.kind == "completion":
             choice = {"index": index, "text": chunk.text, "logprobs": None, "finish_reason": reason}
         else:
