@@ -92,7 +92,7 @@ def test_build_app_resolves_model_path(monkeypatch, tmp_path):
 def test_api_key_never_travels_in_deployment_arguments(monkeypatch, tmp_path):
     """Serve keeps deployment arguments in its controller state (and shows them on its dashboard):
     the key is read from the environment inside each ingress replica instead."""
-    import cloudpickle
+    from ray import cloudpickle
 
     from serve_app.serving.ingress import api_key_from_env
 
