@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from serve_app.generation_config import GenerationDefaults
 from serve_app.types import GenerateRequest, RequestOutput
 
 
@@ -61,6 +62,7 @@ class ModelInfo:
     name: str
     max_model_len: int
     backend: str
+    generation_defaults: GenerationDefaults = GenerationDefaults()  # EOS ids, sampling defaults of the checkpoint
 
 
 class BackendDeadError(RuntimeError):

@@ -72,7 +72,8 @@ class NativeBackend(Backend):
         return RoutingStats.from_load(self.engine.load())
 
     def model_info(self) -> ModelInfo:
-        return ModelInfo(name=self.model_name, max_model_len=self.engine.max_model_len, backend="native")
+        return ModelInfo(name=self.model_name, max_model_len=self.engine.max_model_len, backend="native",
+                         generation_defaults=self.engine.engine.input_processor.generation_defaults)
 
     def check_health(self) -> None:
         try:

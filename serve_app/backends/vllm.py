@@ -91,8 +91,7 @@ class VLLMBackend(Backend):
         # vLLM's usage ratio excludes its one null block: used / (num_gpu_blocks - 1)
         self.stats.set_num_total_blocks(max(int(vllm_config.cache_config.num_gpu_blocks or 1) - 1, 0))
         self._max_model_len = int(vllm_config.model_config.max_model_len)
-        eos = self._engine.get_tokenizer().eos_token_id
-        self._input = InputProcessor(self.model, vllm_config.model_config.get_vocab_size(), self._max_model_len, eos)
+        self._input = InputProcessor(self.model, vllm_config.model_config.get_vocab_size(), self._max_model_len)
         logger.info(
             "vLLM engine ready in %.0f s: model %s, %s on %s, context %d tokens, %d KV blocks of %d tokens, eager %s",
             time.monotonic() - started, self.model_name, self.options.dtype, self.options.device, self._max_model_len,
@@ -183,7 +182,9 @@ class VLLMBackend(Backend):
 
     def model_info(self) -> ModelInfo:
         self.engine  # noqa: B018
-        return ModelInfo(name=self.model_name, max_model_len=self._max_model_len, backend="vllm")
+        assert self._input is not None
+        return ModelInfo(name=self.model_name, max_model_len=self._max_model_len, backend="vllm",
+                         generation_defaults=self._input.generation_defaults)
 
     def check_health(self) -> None:
         if self.engine.errored:

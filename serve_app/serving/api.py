@@ -90,10 +90,10 @@ class OpenAIAPI:
         requests, prompt_indexes = [], []
         for p, prompt in enumerate(body.prompts()):
             for j in range(body.n):
-                params = body.sampling_params(self.info.max_model_len, j)
+                params = body.sampling_params(j, self.info.generation_defaults)
                 requests.append(GenerateRequest(f"{request_id}-{p}-{j}", prompt=prompt, sampling_params=params))
                 prompt_indexes.append(p)
-        builder = ResponseBuilder("completion", request_id, self.info.name, body.include_usage)
+        builder = ResponseBuilder("completion", request_id, self.info.name, body.include_usage, body.continuous_usage)
         return await self._generate(builder, requests, prompt_indexes, body.stream, {})
 
     async def chat_completions(self, body: ChatCompletionRequest) -> Response:
@@ -102,10 +102,10 @@ class OpenAIAPI:
         messages = body.engine_messages()
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         requests = [
-            GenerateRequest(f"{request_id}-0-{j}", messages=messages, sampling_params=body.sampling_params(self.info.max_model_len, j))
+            GenerateRequest(f"{request_id}-0-{j}", messages=messages, sampling_params=body.sampling_params(j, self.info.generation_defaults))
             for j in range(body.n)
         ]
-        builder = ResponseBuilder("chat", request_id, self.info.name, body.include_usage)
+        builder = ResponseBuilder("chat", request_id, self.info.name, body.include_usage, body.continuous_usage)
         return await self._generate(builder, requests, [0] * body.n, body.stream, CHAT_PARAM_ALIASES)
 
     def _check_model(self, name: str) -> None:
