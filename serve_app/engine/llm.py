@@ -30,6 +30,7 @@ def merge_outputs(first: RequestOutput, delta: RequestOutput) -> RequestOutput:
         num_prompt_tokens=delta.num_prompt_tokens,
         metrics=delta.metrics,
         prompt_token_ids=delta.prompt_token_ids,
+        logprobs=None if first.logprobs is None else first.logprobs + (delta.logprobs or ()),
     )
 
 
