@@ -148,6 +148,9 @@ class ServeConfig:
     merge a stream's deltas that arrive within that interval into one item (the first token and the
     finish are never held): each streamed item costs CPU in the replica, the ingress and the proxy,
     which matters when engine steps are much shorter than the interval (GPUs).
+    A streamed response's headers go out as soon as every choice is admitted by its replica (validated
+    and queued), and while no token comes (a long queue) a `: keep-alive` SSE comment is sent every
+    `stream_keepalive_s`, so proxies with idle timeouts keep the connection.
     Routing (DESIGN.md §6): `router` picks the LLMServer request router (`kv_aware`, Serve's `pow2`,
     `round_robin`); `router_kwargs` tune the KV-aware one (weights, staleness bound; names in
     `serving.routing_policy.KVRouterSettings`); `request_router_class` plugs in any other router.
@@ -184,6 +187,7 @@ class ServeConfig:
     ingress_max_ongoing_requests: int = 1024
     ingress_max_queued_requests: int = 256
     request_timeout_s: float = 600.0
+    stream_keepalive_s: float = 10.0  # SSE comment every this many seconds while a stream has no event
     max_request_bytes: int = 1 << 20
     max_n: int = 8
     replica_failure_retries: int = 1
@@ -210,7 +214,8 @@ class ServeConfig:
             _require(isinstance(getattr(self, name), int) and (getattr(self, name) >= 1 or getattr(self, name) == -1), name, "must be >= 1, or -1 for no limit")
         for name in ("num_cpus_per_replica", "num_gpus_per_replica", "ingress_num_cpus"):
             _require(getattr(self, name) >= 0, name, "must be >= 0")
-        for name in ("request_routing_stats_period_s", "health_check_period_s", "health_check_timeout_s", "request_timeout_s", "graceful_shutdown_timeout_s"):
+        for name in ("request_routing_stats_period_s", "health_check_period_s", "health_check_timeout_s", "request_timeout_s", "graceful_shutdown_timeout_s",
+                     "stream_keepalive_s"):
             _require(getattr(self, name) > 0, name, "must be > 0")
         _require(self.torch_num_threads >= 0, "torch_num_threads", "must be >= 0 (0: all cores)")
         _require(self.max_request_bytes >= 1024, "max_request_bytes", "must be >= 1024")

@@ -172,3 +172,10 @@ class RequestOutput:
     metrics: RequestMetrics
     prompt_token_ids: tuple[int, ...] = ()
     logprobs: tuple[TokenLogprob, ...] | None = None  # one per token of `token_ids` when requested
+
+    @classmethod
+    def admitted(cls, request_id: str, prompt_token_ids: list[int], arrival_time: float) -> RequestOutput:
+        """The empty delta that says: validated and queued (a backend's first item)."""
+        n = len(prompt_token_ids)
+        return cls(request_id, "", (), False, None, n, RequestMetrics(arrival_time=arrival_time, num_prompt_tokens=n),
+                   tuple(prompt_token_ids))

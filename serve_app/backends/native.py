@@ -56,7 +56,7 @@ class NativeBackend(Backend):
         )
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
-        stream = self.engine.generate(request)
+        stream = self.engine.generate(request, announce=True)
         try:
             async for output in stream:
                 yield output

@@ -30,7 +30,14 @@ from typing import TYPE_CHECKING, Any
 from serve_app.backends.base import Backend, BackendDeadError, ModelInfo, RoutingStats
 from serve_app.backends.vllm_options import VLLMOptions
 from serve_app.backends.vllm_stats import VLLMStatsBridge, finish_reason, make_vllm_stat_logger
-from serve_app.types import FinishReason, GenerateRequest, RequestMetrics, RequestOutput, SamplingParams
+from serve_app.types import (
+    FinishReason,
+    GenerateRequest,
+    RequestMetrics,
+    RequestOutput,
+    SamplingParams,
+    TokenLogprob,
+)
 
 if TYPE_CHECKING:
     from serve_app.engine.input_processor import InputProcessor
@@ -40,6 +47,21 @@ logger = logging.getLogger(__name__)
 ABORT_WAIT_S = 5.0  # abort() waits at most this long for the engine core's next stats message
 # vLLM reports usage statistics over the network by default; a replica must not
 NO_USAGE_STATS = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+
+
+def token_logprobs(token_ids: Sequence[int], logprobs: Any, num_top: int | None) -> tuple[TokenLogprob, ...] | None:
+    """vLLM's per-token {token id: Logprob(logprob, rank, decoded_token)} dicts (the sampled token
+    plus the top `num_top`, raw model distribution by default, as ours) as our `TokenLogprob`s."""
+    if num_top is None:
+        return None
+    out = []
+    for token_id, entries in zip(token_ids, logprobs or (), strict=True):
+        top = sorted(((lp.rank, t, lp) for t, lp in entries.items() if lp.rank is not None and lp.rank <= num_top),
+                     key=lambda e: e[0])
+        sampled = entries[token_id]
+        out.append(TokenLogprob(token_id, sampled.decoded_token or "", sampled.logprob,
+                                tuple((t, lp.decoded_token or "", lp.logprob) for _, t, lp in top)))
+    return tuple(out)
 
 
 class VLLMBackend(Backend):
@@ -113,6 +135,11 @@ class VLLMBackend(Backend):
             stop_token_ids=list(params.stop_token_ids),
             ignore_eos=params.ignore_eos,
             skip_special_tokens=params.skip_special_tokens,
+            repetition_penalty=params.repetition_penalty,
+            presence_penalty=params.presence_penalty,
+            frequency_penalty=params.frequency_penalty,
+            min_tokens=params.min_tokens,
+            logprobs=params.logprobs,
             output_kind=RequestOutputKind.DELTA,
         )
 
@@ -130,6 +157,7 @@ class VLLMBackend(Backend):
         self._active.add(request.request_id)
         self._unread_prompt_tokens[request.request_id] = len(prompt_ids)
         try:
+            yield RequestOutput.admitted(request.request_id, prompt_ids, arrival)
             async for out in stream:
                 completion = out.outputs[0]
                 now = time.monotonic()
@@ -148,6 +176,7 @@ class VLLMBackend(Backend):
                     request_id=request.request_id, text=completion.text, token_ids=tuple(completion.token_ids),
                     finished=out.finished, finish_reason=reason, num_prompt_tokens=len(prompt_ids),
                     metrics=metrics, prompt_token_ids=tuple(prompt_ids),
+                    logprobs=token_logprobs(completion.token_ids, completion.logprobs, request.sampling_params.logprobs),
                 )
                 if finished:
                     return

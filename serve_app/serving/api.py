@@ -29,7 +29,7 @@ from serve_app.config import ServeConfig
 from serve_app.serving.errors import APIError, to_api_error, validation_error
 from serve_app.serving.middleware import APIKeyMiddleware, BodySizeLimitMiddleware
 from serve_app.serving.openai_protocol import ChatCompletionRequest, CompletionRequest
-from serve_app.serving.responses import DONE_EVENT, ChoiceState, ResponseBuilder
+from serve_app.serving.responses import DONE_EVENT, KEEPALIVE_EVENT, ChoiceState, ResponseBuilder
 from serve_app.serving.streams import ChoicePump, ChoiceStream, start_all
 from serve_app.types import GenerateRequest
 
@@ -145,15 +145,25 @@ class OpenAIAPI:
     async def _events(self, builder: ResponseBuilder, choices: list[ChoiceState], firsts, pump: ChoicePump,
                       deadline: float, aliases: dict[str, str]) -> AsyncIterator[str]:
         loop = asyncio.get_running_loop()
+        keepalive_s = self.config.stream_keepalive_s
         try:
-            out = builder.opening_events(len(choices)) + "".join(builder.chunk_event(i, c) for i, c in enumerate(firsts))
+            out = builder.opening_events(len(choices)) + "".join(builder.chunk_event(i, c, choices) for i, c in enumerate(firsts))
             if out:
                 yield out
-            while (batch := await pump.next_batch(deadline - loop.time())) is not None:
+            while True:
+                try:  # wait for chunks at most keepalive_s at a time: an SSE comment keeps idle proxies from cutting a queued stream
+                    batch = await pump.next_batch(min(keepalive_s, deadline - loop.time()))
+                except TimeoutError:
+                    if loop.time() >= deadline:
+                        raise
+                    yield KEEPALIVE_EVENT
+                    continue
+                if batch is None:
+                    break
                 parts = []
                 for index, chunk in batch:
                     choices[index].add(chunk)
-                    parts.append(builder.chunk_event(index, chunk))
+                    parts.append(builder.chunk_event(index, chunk, choices))
                 if out := "".join(parts):
                     yield out
             yield builder.usage_event(choices) + DONE_EVENT

@@ -3,7 +3,7 @@
 Called only through a `DeploymentHandle` (from `OpenAIIngress`):
 - `generate(request)` (a streaming method: `handle.options(stream=True)`) yields `GenerationChunk`s,
   compact deltas made from the backend's `RequestOutput`s. Invalid input raises `ValueError`
-  ("field: ...") on the first item; cancelling the call (client disconnect) aborts the request in the
+  ("field: ...") on the first item; else the first item is an empty chunk confirming admission; cancelling the call (client disconnect) aborts the request in the
   engine and frees its KV blocks.
 - `model_info()` → `ModelInfo` (served name, context length).
 - Ray Serve calls `record_routing_stats()` every `request_routing_stats_period_s` and hands the dict
@@ -32,7 +32,7 @@ from ray import serve
 from serve_app.backends import Backend, ModelInfo, make_backend
 from serve_app.config import ServeConfig
 from serve_app.metrics.loggers import RayStatLogger
-from serve_app.types import GenerateRequest, RequestOutput
+from serve_app.types import GenerateRequest, RequestOutput, TokenLogprob
 
 logger = logging.getLogger("ray.serve")
 
@@ -46,22 +46,25 @@ class GenerationChunk:
     finished: bool
     finish_reason: str | None  # "stop" | "length" | "abort" on the last chunk
     num_prompt_tokens: int
+    logprobs: tuple[TokenLogprob, ...] | None = None  # one per token when the request asked for logprobs
 
     @classmethod
     def from_output(cls, out: RequestOutput) -> GenerationChunk:
         reason = None if out.finish_reason is None else str(out.finish_reason)
-        return cls(out.text, tuple(out.token_ids), out.finished, reason, out.num_prompt_tokens)
+        return cls(out.text, tuple(out.token_ids), out.finished, reason, out.num_prompt_tokens, out.logprobs)
 
     def merge(self, later: GenerationChunk) -> GenerationChunk:
         """This delta followed by a later one, as a single delta."""
+        logprobs = None if self.logprobs is None else self.logprobs + (later.logprobs or ())
         return GenerationChunk(self.text + later.text, self.token_ids + later.token_ids, later.finished,
-                               later.finish_reason, later.num_prompt_tokens)
+                               later.finish_reason, later.num_prompt_tokens, logprobs)
 
 
 async def batch_stream(outputs: AsyncIterator[RequestOutput], interval_s: float) -> AsyncIterator[GenerationChunk]:
     """Deltas as chunks; with `interval_s` > 0, deltas arriving within `interval_s` of the previous
-    yield are merged into the next one. The first delta and the finish are yielded at once, so TTFT
-    and end-to-end latency are untouched; a held delta waits at most `interval_s` + one engine step."""
+    yield are merged into the next one. The admission delta, the first token and the finish are
+    yielded at once, so TTFT and end-to-end latency are untouched; a held delta waits at most
+    `interval_s` + one engine step."""
     pending: GenerationChunk | None = None
     last_yield = -float("inf")
     first = True
@@ -72,7 +75,8 @@ async def batch_stream(outputs: AsyncIterator[RequestOutput], interval_s: float)
             now = time.monotonic()
             if first or pending.finished or interval_s <= 0 or now - last_yield >= interval_s:
                 yield pending
-                pending, last_yield, first = None, now, False
+                first = first and not pending.token_ids  # after the (token-less) admission delta: the first token
+                pending, last_yield = None, now
     if pending is not None:  # pragma: no cover - a backend stream always ends with a finished delta
         yield pending
 
