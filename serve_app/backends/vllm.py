@@ -157,7 +157,6 @@ class VLLMBackend(Backend):
         self._active.add(request.request_id)
         self._unread_prompt_tokens[request.request_id] = len(prompt_ids)
         try:
-            yield RequestOutput.admitted(request.request_id, prompt_ids, arrival)
             async for out in stream:
                 completion = out.outputs[0]
                 now = time.monotonic()
