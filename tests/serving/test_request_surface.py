@@ -164,14 +164,22 @@ def test_stream_headers_and_keepalives_go_out_before_the_first_token(path):
     app = build_fastapi_app(OpenAIAPI(handle, ServeConfig(model="unused", stream_keepalive_s=0.05), ModelInfo(MODEL, 128, "fake")))
     body = {**CHAT, "stream": True} if "chat" in path else {"model": MODEL, "prompt": "x", "stream": True}
     sent: list[dict] = []
+    requested: list[bool] = []
+    response_done = asyncio.Event()
 
-    async def receive():
-        return {"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}
+    async def receive():  # the body once, then (like a server) a disconnect only after the response
+        if not requested:
+            requested.append(True)
+            return {"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}
+        await response_done.wait()
+        return {"type": "http.disconnect"}
 
     async def send(message):
         sent.append(message)
         if message["type"] == "http.response.body" and b": keep-alive" in message.get("body", b""):
             gate.set()
+        if message["type"] == "http.response.body" and not message.get("more_body", False):
+            response_done.set()
 
     async def main():
         scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "path": path,
