@@ -81,7 +81,7 @@ class InputProcessor:
         params = request.sampling_params
         room = self.max_model_len - len(token_ids)
         if params.max_tokens is None:
-            params = dataclasses.replace(params, max_tokens=max(room, params.min_tokens))
+            params = dataclasses.replace(params, max_tokens=room)  # min_tokens > room: ValueError naming it
         if params.max_tokens > room:
             raise ValueError(
                 f"max_tokens: the prompt's {len(token_ids)} tokens plus max_tokens={params.max_tokens} exceed the "

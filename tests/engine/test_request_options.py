@@ -131,3 +131,19 @@ def test_min_tokens_matches_hf_min_new_tokens(tiny):
     ref = hf_generate(model, PROMPTS[0], N, min_new_tokens=8, eos_token_id=[stop_id, tc.END_OF_TEXT, tc.EOT])
     assert list(held.token_ids) == ref and len(held.token_ids) >= 8
     assert stop_id not in held.token_ids[:8]
+
+
+# ---- context length --------------------------------------------------------------------------------
+
+
+def test_prompt_plus_max_tokens_beyond_the_context_is_rejected_naming_both(tiny):
+    _, llm = tiny
+    assert llm.engine.max_model_len == 256  # the config's max_position_embeddings
+    prompt = PROMPTS[0]  # 5 tokens: room for 251
+    with pytest.raises(ValueError, match=r"^max_tokens: the prompt's 5 tokens plus max_tokens=252 exceed the context length "
+                                         r"of 256 tokens \(at most 251 tokens can be generated\)"):
+        llm.generate([prompt], SamplingParams(max_tokens=252))
+    assert not llm.engine.has_unfinished_requests()
+    (out,) = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True))
+    assert len(out.token_ids) == 251 and out.finish_reason == "length"  # the room left, and says so
+    assert out.metrics.num_generation_tokens == 251
