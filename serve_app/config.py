@@ -162,6 +162,9 @@ class ServeConfig:
     merge a stream's deltas that arrive within that interval into one item (the first token and the
     finish are never held): each streamed item costs CPU in the replica, the ingress and the proxy,
     which matters when engine steps are much shorter than the interval (GPUs).
+    A streamed response's headers go out as soon as every choice is admitted by its replica (validated
+    and queued), and while no token comes (a long queue) a `: keep-alive` SSE comment is sent every
+    `stream_keepalive_s`, so proxies with idle timeouts keep the connection.
     Routing (docs/routing.md, docs/prefix_routing.md): `router` picks the LLMServer request router (`prefix_aware`: predicted time to first
     token from each replica's published prefix cache; `kv_aware`: KV occupancy only; Serve's `pow2`;
     `round_robin`); `router_kwargs` tune the first two (names in
@@ -202,6 +205,7 @@ class ServeConfig:
     ingress_max_ongoing_requests: int = 1024
     ingress_max_queued_requests: int = 256
     request_timeout_s: float = 600.0
+    stream_keepalive_s: float = 10.0  # SSE comment every this many seconds while a stream has no event
     max_request_bytes: int = 1 << 20
     max_n: int = 8
     max_prompts_per_request: int = 16  # prompts in one completions request (a batch); n × prompts <= max_ongoing_requests
@@ -233,7 +237,7 @@ class ServeConfig:
         for name in ("num_cpus_per_replica", "num_gpus_per_replica", "ingress_num_cpus"):
             _require(getattr(self, name) >= 0, name, "must be >= 0")
         for name in ("request_routing_stats_period_s", "health_check_period_s", "health_check_timeout_s", "request_timeout_s",
-                     "engine_stall_timeout_s", "drain_timeout_s"):
+                     "engine_stall_timeout_s", "drain_timeout_s", "stream_keepalive_s"):
             _require(getattr(self, name) > 0, name, "must be > 0")
         _require(self.torch_num_threads >= 0, "torch_num_threads", "must be >= 0 (0: all cores)")
         _require(self.max_request_bytes >= 1024, "max_request_bytes", "must be >= 1024")

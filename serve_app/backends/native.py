@@ -61,7 +61,7 @@ class NativeBackend(Backend):
         )
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
-        stream = self.engine.generate(request)
+        stream = self.engine.generate(request, announce=True)
         try:
             async for output in stream:
                 yield output
@@ -85,7 +85,8 @@ class NativeBackend(Backend):
         return {} if self._publisher is None or self._engine is None else self._publisher.next_update()
 
     def model_info(self) -> ModelInfo:
-        return ModelInfo(name=self.model_name, max_model_len=self.engine.max_model_len, backend="native")
+        return ModelInfo(name=self.model_name, max_model_len=self.engine.max_model_len, backend="native",
+                         generation_defaults=self.engine.engine.input_processor.generation_defaults)
 
     def check_health(self) -> None:
         try:

@@ -35,9 +35,6 @@ class EngineCore:
         if not config.scheduler.enable_chunked_prefill:  # a whole prompt (or recompute) must fit one step
             limits.append(config.scheduler.max_num_batched_tokens)
         self.max_model_len = min(limits)
-        self.eos_token_id = hf_config.get("eos_token_id")
-        if isinstance(self.eos_token_id, list):
-            self.eos_token_id = self.eos_token_id[0]
         self.kv_events = KVEventLog()  # what the prefix cache holds, for routers
         self.block_manager = BlockManager(num_blocks, block_size, config.cache.enable_prefix_caching, self.kv_events)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)

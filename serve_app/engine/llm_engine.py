@@ -36,7 +36,7 @@ class LLMEngine:
         self.config = config
         self.core = EngineCore(config)
         runner = self.core.model_runner
-        self.input_processor = InputProcessor(config.model.model, runner.args.vocab_size, self.core.max_model_len, self.core.eos_token_id)
+        self.input_processor = InputProcessor(config.model.model, runner.args.vocab_size, self.core.max_model_len)
         self.output_processor = OutputProcessor(self.input_processor.tokenizer)
         self.stat_loggers = list(stat_loggers)
         self.last_stats: SchedulerStats | None = None

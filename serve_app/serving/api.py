@@ -38,7 +38,7 @@ from serve_app.config import ServeConfig
 from serve_app.serving.errors import APIError, to_api_error, validation_error
 from serve_app.serving.middleware import APIKeyMiddleware, BodySizeLimitMiddleware
 from serve_app.serving.openai_protocol import ChatCompletionRequest, CompletionRequest
-from serve_app.serving.responses import DONE_EVENT, ChoiceState, ResponseBuilder
+from serve_app.serving.responses import DONE_EVENT, KEEPALIVE_EVENT, ChoiceState, ResponseBuilder
 from serve_app.serving.streams import ChoicePump, ChoiceStream, start_all
 from serve_app.types import GenerateRequest
 
@@ -116,12 +116,12 @@ class OpenAIAPI:
         for p, prompt in enumerate(prompts):
             first = None
             for j in range(body.n):
-                params = body.sampling_params(self.info.max_model_len, j)
+                params = body.sampling_params(j, self.info.generation_defaults)
                 request = GenerateRequest(f"{request_id}-{p}-{j}", prompt=prompt, sampling_params=params, user=body.user)
                 first = self._prepare(request, salt) if first is None else first
                 requests.append(dataclasses.replace(request, prompt_token_ids=first.prompt_token_ids, cache_salt=salt))
                 prompt_indexes.append(p)
-        builder = ResponseBuilder("completion", request_id, self.info.name, body.include_usage)
+        builder = ResponseBuilder("completion", request_id, self.info.name, body.include_usage, body.continuous_usage)
         return await self._generate(builder, requests, prompt_indexes, body.stream, {})
 
     async def chat_completions(self, body: ChatCompletionRequest, salt: str | None = None) -> Response:
@@ -132,11 +132,11 @@ class OpenAIAPI:
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         first = self._prepare(GenerateRequest(request_id, messages=messages), salt)
         requests = [
-            GenerateRequest(f"{request_id}-0-{j}", messages=messages, sampling_params=body.sampling_params(self.info.max_model_len, j),
+            GenerateRequest(f"{request_id}-0-{j}", messages=messages, sampling_params=body.sampling_params(j, self.info.generation_defaults),
                             prompt_token_ids=first.prompt_token_ids, cache_salt=salt, user=body.user)
             for j in range(body.n)
         ]
-        builder = ResponseBuilder("chat", request_id, self.info.name, body.include_usage)
+        builder = ResponseBuilder("chat", request_id, self.info.name, body.include_usage, body.continuous_usage)
         return await self._generate(builder, requests, [0] * body.n, body.stream, CHAT_PARAM_ALIASES)
 
     def _check_fan_out(self, num_prompts: int, n: int) -> None:
@@ -187,15 +187,25 @@ class OpenAIAPI:
     async def _events(self, builder: ResponseBuilder, choices: list[ChoiceState], firsts, pump: ChoicePump,
                       deadline: float, aliases: dict[str, str]) -> AsyncIterator[str]:
         loop = asyncio.get_running_loop()
+        keepalive_s = self.config.stream_keepalive_s
         try:
-            out = builder.opening_events(len(choices)) + "".join(builder.chunk_event(i, c) for i, c in enumerate(firsts))
+            out = builder.opening_events(len(choices)) + "".join(builder.chunk_event(i, c, choices) for i, c in enumerate(firsts))
             if out:
                 yield out
-            while (batch := await pump.next_batch(deadline - loop.time())) is not None:
+            while True:
+                try:  # wait for chunks at most keepalive_s at a time: an SSE comment keeps idle proxies from cutting a queued stream
+                    batch = await pump.next_batch(min(keepalive_s, deadline - loop.time()))
+                except TimeoutError:
+                    if loop.time() >= deadline:
+                        raise
+                    yield KEEPALIVE_EVENT
+                    continue
+                if batch is None:
+                    break
                 parts = []
                 for index, chunk in batch:
                     choices[index].add(chunk)
-                    parts.append(builder.chunk_event(index, chunk))
+                    parts.append(builder.chunk_event(index, chunk, choices))
                 if out := "".join(parts):
                     yield out
             yield builder.usage_event(choices) + DONE_EVENT

@@ -170,8 +170,10 @@ def estimate_request_blocks(request: Any, settings: KVRouterSettings) -> int:
     if prompt_tokens == 0:
         return 0
     params = getattr(request, "sampling_params", None)
-    max_tokens = getattr(params, "max_tokens", 0) or 0
-    output_tokens = min(int(max_tokens), settings.max_expected_output_tokens)
+    max_tokens = getattr(params, "max_tokens", 0)
+    if max_tokens is None:  # until the end of the context (chat without max_tokens)
+        max_tokens = settings.max_expected_output_tokens
+    output_tokens = min(int(max_tokens or 0), settings.max_expected_output_tokens)
     tokens = settings.prompt_weight * prompt_tokens + settings.output_weight * output_tokens
     return max(1, math.ceil(tokens / settings.block_size))
 

@@ -22,7 +22,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from serve_app.types import RequestOutput
+from serve_app.types import RequestOutput, TokenLogprob
 
 
 @dataclass(frozen=True)
@@ -35,11 +35,13 @@ class GenerationChunk:
     finish_reason: str | None  # "stop" | "length" | "abort" on the last chunk
     num_prompt_tokens: int
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (set on the last chunk)
+    logprobs: tuple[TokenLogprob, ...] | None = None  # one per token when the request asked for logprobs
 
     @classmethod
     def from_output(cls, out: RequestOutput) -> GenerationChunk:
         reason = None if out.finish_reason is None else str(out.finish_reason)
-        return cls(out.text, tuple(out.token_ids), out.finished, reason, out.num_prompt_tokens, _cached(out))
+        return cls(out.text, tuple(out.token_ids), out.finished, reason, out.num_prompt_tokens, _cached(out),
+                   None if out.logprobs is None else tuple(out.logprobs))
 
     @classmethod
     def merge(cls, outs: list[RequestOutput]) -> GenerationChunk:
@@ -48,8 +50,9 @@ class GenerationChunk:
             return cls.from_output(outs[0])
         last = outs[-1]
         reason = None if last.finish_reason is None else str(last.finish_reason)
+        logprobs = None if outs[0].logprobs is None else tuple(lp for o in outs for lp in (o.logprobs or ()))
         return cls("".join(o.text for o in outs), tuple(t for o in outs for t in o.token_ids), last.finished,
-                   reason, last.num_prompt_tokens, _cached(last))
+                   reason, last.num_prompt_tokens, _cached(last), logprobs)
 
 
 def _cached(out: RequestOutput) -> int:
@@ -69,6 +72,7 @@ class StreamBatcher:
         self.interval_s = interval_s
         self._pending: list[RequestOutput] = []
         self._last_send: float | None = None
+        self._sent_token = False  # until the first token has gone, nothing is held (TTFT untouched)
 
     def add(self, out: RequestOutput) -> None:
         self._pending.append(out)
@@ -80,8 +84,8 @@ class StreamBatcher:
     def deadline(self) -> float | None:
         if not self._pending:
             return None
-        if self._last_send is None or self._pending[-1].finished:
-            return -float("inf")  # first delta, or the finish: at once
+        if not self._sent_token or self._pending[-1].finished:
+            return -float("inf")  # the admission delta, the first token, or the finish: at once
         return self._last_send + self.interval_s
 
     def due(self, now: float) -> bool:
@@ -92,6 +96,7 @@ class StreamBatcher:
         chunk = GenerationChunk.merge(self._pending)
         self._pending = []
         self._last_send = now
+        self._sent_token = self._sent_token or bool(chunk.token_ids)
         return chunk
 
 

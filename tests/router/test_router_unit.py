@@ -4,6 +4,7 @@ fallback, in-flight accounting (no herding between two samples), Serve's routing
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 
 import pytest
@@ -45,6 +46,8 @@ def test_block_estimates_and_weights():
     # chat requests default max_tokens to the whole context: the expected output is capped
     capped = KVRouterSettings(block_size=16, max_expected_output_tokens=64)
     assert estimate_request_blocks(gen_request("r", 32, 8000), capped) == (32 + 64) // 16
+    until_context = dataclasses.replace(gen_request("r", 32, 8), sampling_params=SamplingParams(max_tokens=None))
+    assert estimate_request_blocks(until_context, capped) == (32 + 64) // 16  # chat without max_tokens
     half = KVRouterSettings(block_size=16, output_weight=0.5, prompt_weight=1.0)
     assert estimate_request_blocks(gen_request("r", 32, 64), half) == 4
     assert estimate_request_blocks(None, s) == 0

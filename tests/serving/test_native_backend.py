@@ -57,7 +57,9 @@ def test_backend_streams_deltas_and_reports_load(model_dir):
             # leaving the iteration early aborts the request and frees its blocks
             stream = backend.generate(GenerateRequest("b", prompt="Tell me a long story.",
                                                       sampling_params=SamplingParams(max_tokens=500, ignore_eos=True)))
-            await stream.__anext__()
+            admitted = await stream.__anext__()  # validated and queued: no token yet
+            assert admitted.token_ids == () and not admitted.finished and admitted.num_prompt_tokens > 0
+            await stream.__anext__()  # the first token
             busy = backend.routing_stats()
             assert busy.num_free_blocks < NUM_BLOCKS and busy.num_running == 1 and busy.kv_cache_usage > 0
             assert busy.num_pending_prompt_tokens == 0  # it has its first token: decoding, nothing left to read
