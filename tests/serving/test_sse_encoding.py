@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from serve_app.serving.responses import ResponseBuilder
+from serve_app.serving.responses import ChoiceState, ResponseBuilder
 from serve_app.serving.stream_batching import GenerationChunk
 
 
@@ -16,7 +16,7 @@ from serve_app.serving.stream_batching import GenerationChunk
                                                     ("", True, "stop"), ("x", True, "abort")])
 def test_template_event_equals_the_generic_event(kind, include_usage, text, finished, reason):
     builder = ResponseBuilder(kind, 'cmpl-"odd"\nid', "modèle/名前", include_usage)
-    event = builder.chunk_event(3, GenerationChunk(text, (1, 2), finished, reason, 7))
+    event = builder.chunk_event(3, GenerationChunk(text, (1, 2), finished, reason, 7), [ChoiceState(0) for _ in range(4)])
     if kind == "completion":
         choice = {"index": 3, "text": text, "logprobs": None, "finish_reason": reason}
     else:
