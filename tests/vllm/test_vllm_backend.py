@@ -246,6 +246,9 @@ def test_vllm_stats_reach_our_metric_names(loop, engine):
     # the gauges follow vLLM's stats messages: the one after the last finish may come a little later
     loop.run(wait_until(lambda: value("llm_kv_cache_usage_ratio") == 0.0 and value("llm_num_requests_running") == 0.0,
                         IDLE_TIMEOUT_S, "idle gauges"), timeout_s=IDLE_TIMEOUT_S + 10)
+    # the mapped per-request timings are consistent: queue <= TTFT <= e2e
+    for _, m in recorder.finished[-2:]:
+        assert 0 <= m.queue_s <= m.ttft_s <= m.e2e_s and m.num_generation_tokens == 8 and m.tpot_s > 0
 
     async def closed_early():  # an abort of this test's own (vLLM leaves aborts out of its stats; we count them)
         stream = backend.generate(GenerateRequest("m-aborted", prompt="Tell me a long story.",
@@ -255,9 +258,6 @@ def test_vllm_stats_reach_our_metric_names(loop, engine):
 
     loop.run(closed_early())
     assert value("llm_request_success_total", finish_reason="abort") - abort_before == 1
-    # the mapped per-request timings are consistent: queue <= TTFT <= e2e
-    for _, m in recorder.finished[-2:]:
-        assert 0 <= m.queue_s <= m.ttft_s <= m.e2e_s and m.num_generation_tokens == 8 and m.tpot_s > 0
 
 
 def test_dead_engine_core_makes_the_backend_unhealthy(loop, engine):
