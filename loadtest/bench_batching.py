@@ -1,4 +1,4 @@
-"""W2 batching study (DESIGN §7, issue 6): one seeded Poisson arrival trace with mixed prompt and output
+"""W2 batching study (docs/benchmarks.md): one seeded Poisson arrival trace with mixed prompt and output
 lengths, replayed in one run against the same engine (AsyncLLMEngine in this process, same model,
 kernels and options) under `static`, `dynamic` and `continuous` batching; only admission differs.
 

@@ -1,4 +1,4 @@
-"""W1 offline throughput benchmark (DESIGN.md §7): engines side by side in one run.
+"""W1 offline throughput benchmark (docs/benchmarks.md): engines side by side in one run.
 
 Workload W1: 64 requests x 128 random prompt tokens (seed 0, ids uniform in [100, vocab)) x 128
 output tokens, greedy, ignore_eos, bf16, every request submitted at once. Engines (loadtest/

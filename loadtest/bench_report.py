@@ -12,7 +12,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-TARGET_RATIO = 3.0  # issue 2: native >= 3x HF static output tok/s
+TARGET_RATIO = 3.0  # target: native >= 3x HF static output tok/s
 
 
 def spread(values: list[float]) -> dict[str, float] | None:
@@ -163,7 +163,7 @@ def markdown(results: dict[str, Any]) -> tuple[str, str]:
 
 {results['date']} · {m['device']} · `{results['command']}`
 
-Workload W1 (DESIGN.md §7): {w['num_requests']} requests × {w['prompt_len']} random prompt tokens (ids uniform in
+Workload W1 (docs/benchmarks.md): {w['num_requests']} requests × {w['prompt_len']} random prompt tokens (ids uniform in
 [{w['min_token_id']}, {w['vocab_size']}), seed {w['seed']}) × {w['output_len']} output tokens, greedy, ignore_eos,
 {w['dtype']}, all requests submitted at once; model `{w['model']}`. Each engine runs in its own process, is
 warmed up once, and the {s['repeats']} repeat(s) are interleaved (engine order rotated per repeat).

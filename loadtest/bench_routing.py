@@ -1,4 +1,4 @@
-"""W3 routing benchmark (DESIGN.md §7, issue 4): KV-aware vs power-of-two vs round-robin routing.
+"""W3 routing benchmark (docs/benchmarks.md): KV-aware vs power-of-two vs round-robin routing.
 
 One Ray instance on 127.0.0.1, one run. For each router the app is deployed with 2 LLMServer replicas
 (small KV caches, one torch thread each) and the *same* two traces are replayed open-loop from this
@@ -349,7 +349,7 @@ def write_report(results: dict[str, Any], out_dir: Path, raw_path: Path | None =
         lines.append("")
     c = results["comparison"]
     sk, un = c.get("skewed", {}), c.get("uniform", {})
-    lines += ["## KV-aware ÷ power-of-two (targets from issue 4)", "",
+    lines += ["## KV-aware ÷ power-of-two (targets)", "",
               "| trace | TTFT p99 (pooled) | TTFT p99 per seed | TTFT p50 | e2e p99 | output tok/s | target | met |",
               "|---|---|---|---|---|---|---|---|",
               f"| skewed | {_f(sk.get('ttft_p99_ratio'))} | {_per_seed(sk)} | {_f(sk.get('ttft_p50_ratio'))} | "

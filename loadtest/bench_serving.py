@@ -1,23 +1,19 @@
-"""Serving overhead benchmark: the engine behind Ray Serve (HTTP, OpenAI API) against the engine called
-directly, same engine options, same prompts, in one run.
+"""The serving path benchmark (`make bench-serving`): its ceiling with the null engine, then the real
+engine through Ray Serve against the same engine called directly, in one run.
 
-Measures
-- TTFT at low load: one streamed request at a time (128 random prompt tokens, 8 output tokens),
-  `--ttft-requests` per repeat; client-side time from sending to the first token.
-  Direct: `AsyncLLMEngine.generate` in this process. Serve: POST /v1/completions (stream) through
-  the proxy → OpenAIIngress → LLMServer replica → SSE back.
-- Output tok/s at 8 and 32 concurrent streams (128 random prompt tokens, `--output-len` tokens each,
-  ignore_eos, greedy): all streams start together; tok/s = output tokens / wall time until the last
-  finishes; also TTFT p50/p99 under that load.
+1. Null-engine sweep (loadtest/serving_path.py, loadtest/null_backend.py): streams × output length ×
+   ingress replicas × stream batching × profile (through the proxy, or direct ingress with Serve's
+   throughput settings): tokens/s carried, CPU ms per output token per process (the null engine and
+   the client counted apart), TTFT and ITL at the client.
+2. Real engine (configs/local.yaml's engine options): TTFT at low load (sequential streamed requests),
+   output tok/s at 8/32/64 concurrent streams (128 random prompt tokens, `--output-len` tokens each,
+   ignore_eos, greedy), CPU per output token per process. Direct: `AsyncLLMEngine.generate` in this
+   process. Serve: POST /v1/completions (stream) → proxy → OpenAIIngress → LLMServer → SSE. Repeats are
+   interleaved (direct, then Serve, alternating order) so that a change in machine load hits both
+   alike; ratios are taken per repeat and reported as median [min-max].
 
-Repeats are interleaved (direct, then Serve, for each measurement of each repeat) so that a change
-in machine load hits both alike; ratios are taken per repeat and reported as median [min-max].
-The Serve app is built from configs/local.yaml (engine options, replicas, threads) unless overridden;
-`--replicas 2 1 --replica-threads 1 0` measures 2 replicas with one torch thread each and 1 replica
-with every core, each against the direct engine (every core).
-
-    .venv/bin/python loadtest/bench_serving.py --replicas 2 1 --replica-threads 1 0   # reports/serving.{json,md}
-    .venv/bin/python loadtest/bench_serving.py --quick               # smoke run (build/bench-serving-quick/)
+    .venv/bin/python loadtest/bench_serving.py            # reports/serving.{json,md,png}
+    .venv/bin/python loadtest/bench_serving.py --quick    # smoke run (build/bench-serving-quick/)
 """
 
 from __future__ import annotations
@@ -42,6 +38,9 @@ import psutil
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # loadtest.* when run as a script
+from loadtest import serving_path  # noqa: E402
+
 # one event loop for every measurement: the HTTP client's pooled connections belong to it
 LOOP = asyncio.new_event_loop()
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # Ray on the loopback address only
@@ -109,17 +108,19 @@ class ServeTarget:
 
         from serve_app.serving.app import build_app
 
-        if not ray.is_initialized():
-            ray.init(include_dashboard=False, log_to_driver=False)
+        if not ray.is_initialized():  # replicas import loadtest.null_backend from the repository
+            ray.init(include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
         port = _free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         t0 = time.perf_counter()
         serve.run(build_app(args), name="bench", route_prefix="/")
         self.startup_s = time.perf_counter() - t0
+        if os.environ.get("RAY_SERVE_ENABLE_DIRECT_INGRESS") == "1":  # the ingress replica listens itself
+            port = _direct_ingress_port()
         self.url = f"http://127.0.0.1:{port}/v1/completions"
         self.model = Path(args["model"]).name
         self.client = httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=256, max_keepalive_connections=256))
-        self._processes = _serve_processes()
+        self.processes = _serve_processes()
 
     async def hop_latency(self, num: int = 30) -> dict[str, float]:
         """p50 round trip of requests that generate nothing: the serving layer's own latency."""
@@ -138,7 +139,7 @@ class ServeTarget:
     def cpu_seconds(self) -> dict[str, float]:
         """Cumulative CPU time per group of this Ray instance's processes (+ this client process)."""
         out = {"client": _cpu(psutil.Process())}
-        for group, procs in self._processes.items():
+        for group, procs in self.processes.items():
             out[group] = sum(_cpu(p) for p in procs)
         return out
 
@@ -192,6 +193,27 @@ def _cpu(proc: psutil.Process) -> float:
         return t.user + t.system
     except psutil.Error:
         return 0.0
+
+
+def _stop_ray() -> None:
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+def _direct_ingress_port() -> int:
+    """The port Serve's direct ingress gave the (first) ingress replica, found by asking each port of
+    its range (RAY_SERVE_DIRECT_INGRESS_MIN/MAX_HTTP_PORT) for /v1/models."""
+    import httpx
+
+    low = int(os.environ.get("RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT", "30000"))
+    high = int(os.environ.get("RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT", "31000"))
+    for port in range(low, high + 1):
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2).status_code == 200:
+                return port
+    raise RuntimeError(f"no direct-ingress replica answers on 127.0.0.1:{low}-{high}")
 
 
 def _free_port() -> int:
@@ -283,11 +305,13 @@ def write_report(results: dict[str, Any], out_dir: Path) -> None:
     (out_dir / "serving.json").write_text(json.dumps(results, indent=2))
     w = results["workload"]
     lines = [
-        "# Serving overhead: Ray Serve (OpenAI API) vs the engine called directly",
+        "# The serving path: its ceiling (null engine) and its cost with the real engine (Serve vs direct)",
         "",
         f"Generated {results['date']} by:",
         "",
         f"    {results['command']}",
+        "",
+        f"Serve environment: `{json.dumps(results.get('serve_env', {}))}`.",
         "",
         f"Machine: {results['machine']}. Load average at start: {results['loadavg_start']}, at end: {results['loadavg_end']} "
         "(other work shared the machine: compare the paired ratios, not absolute numbers across runs).",
@@ -300,6 +324,9 @@ def write_report(results: dict[str, Any], out_dir: Path) -> None:
         "Serve proxy → OpenAIIngress → LLMServer replica(s) → SSE (client-side timings, stream_options.include_usage).",
         "",
     ]
+    if "null" in results:
+        lines += serving_path.report_lines(results) + ["![tokens/s carried and serving CPU per token](serving.png)", ""]
+        serving_path.plot(results, out_dir / "serving.png")
     for v in results["variants"]:
         s = v["summary"]
         threads = v.get("torch_threads_per_replica", "?")
@@ -369,16 +396,33 @@ def _groups(summary: dict[str, Any]) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="configs/local.yaml", help="Serve YAML whose first application's args are used")
-    parser.add_argument("--replicas", type=int, nargs="+", default=None, help="LLMServer replica counts to measure")
-    parser.add_argument("--replica-threads", type=int, nargs="+", default=None,
-                        help="torch threads per replica for each --replicas entry (0: all cores; default: the config's)")
+    parser.add_argument("--replicas", type=int, nargs="+", default=[1], help="LLMServer replica counts to measure")
+    parser.add_argument("--replica-threads", type=int, nargs="+", default=[0],
+                        help="torch threads per replica for each --replicas entry (0: all cores)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--ttft-requests", type=int, default=16)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[8, 32])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[8, 32, 64])
+    null = parser.add_argument_group("null engine sweep (the path's ceiling)")
+    null.add_argument("--null-streams", type=int, nargs="+", default=[64, 256])
+    null.add_argument("--null-output-lens", type=int, nargs="+", default=[128, 512])
+    null.add_argument("--null-ingress", type=int, nargs="+", default=[1, 2], help="ingress replica counts")
+    null.add_argument("--null-batch", type=float, nargs="+", default=[0.0, 0.05], help="stream_batch_interval_s values")
+    null.add_argument("--null-step-time", type=float, default=0.02, help="null engine step time (s)")
+    null.add_argument("--null-max-num-seqs", type=int, default=256)
+    null.add_argument("--null-repeats", type=int, default=2)
+    null.add_argument("--null-profiles", nargs="+", default=list(serving_path.PROFILES), choices=serving_path.PROFILES,
+                      help="default: through the HTTP proxy; direct: Serve's throughput settings + direct ingress")
+    parser.add_argument("--real-profile", default="default", choices=serving_path.PROFILES,
+                        help="how the real engine is served (as --null-profiles)")
+    parser.add_argument("--skip-null", action="store_true", help="only the real engine: Serve vs direct")
+    parser.add_argument("--skip-real", action="store_true", help="only the null-engine sweep")
+    parser.add_argument("--serve-env", nargs="*", default=[], metavar="NAME=VALUE",
+                        help="environment for every Ray/Serve process (e.g. RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0)")
     parser.add_argument("--out-dir", default=None)
-    parser.add_argument("--quick", action="store_true", help="1 repeat, 4 TTFT requests, 16 output tokens")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run: null 64 streams × 128 tokens, 1 repeat; real engine 1 repeat, 16 output tokens")
     parser.add_argument("--render", metavar="JSON", help="only rewrite the Markdown report from a previous serving.json")
     opts = parser.parse_args()
     if opts.render:
@@ -387,7 +431,10 @@ def main() -> None:
         print((Path(opts.out_dir or Path(opts.render).parent) / "serving.md").read_text())
         return
     if opts.quick:
-        opts.repeats, opts.ttft_requests, opts.output_len = 1, 4, 16
+        opts.repeats, opts.ttft_requests, opts.output_len, opts.concurrency = 1, 4, 16, [8, 32]
+        opts.null_streams, opts.null_output_lens, opts.null_repeats = [64], [128], 1
+    if len(opts.replica_threads) != len(opts.replicas):
+        parser.error("--replica-threads needs one value per --replicas entry")
     out_dir = Path(opts.out_dir or (REPO / ("build/bench-serving-quick" if opts.quick else "reports")))
 
     config = yaml.safe_load((REPO / opts.config).read_text())
@@ -409,22 +456,43 @@ def main() -> None:
         "variants": [],
         "direct_torch_threads": os.cpu_count(),
     }
-    direct = DirectTarget(args["model"], engine_kwargs)
+    print(f"[bench-serving] load average at start: {results['loadavg_start']}", flush=True)
+    results["serve_env"] = dict(item.split("=", 1) for item in opts.serve_env)
+    os.environ.update(results["serve_env"])  # before Ray starts: the raylet and every worker inherit it
     try:
-        counts = opts.replicas or [args.get("num_replicas", 1)]
-        threads = opts.replica_threads or [args.get("torch_num_threads", 0)] * len(counts)
-        if len(threads) != len(counts):
-            parser.error("--replica-threads needs one value per --replicas entry")
-        for replicas, n_threads in zip(counts, threads, strict=True):
-            variant = run_variant(direct, {**args, "num_replicas": replicas, "torch_num_threads": n_threads}, opts, vocab)
-            variant["torch_threads_per_replica"] = n_threads or os.cpu_count()
-            results["variants"].append(variant)
+        if not opts.skip_null:
+            results["null"] = {
+                "workload": {"step_time_s": opts.null_step_time, "max_num_seqs": opts.null_max_num_seqs,
+                             "prompt_len": opts.prompt_len, "repeats": opts.null_repeats},
+                "variants": [], "profile_env": {}}
+            for profile in opts.null_profiles:  # each in its own Ray instance: Serve reads these at process start
+                env = serving_path.profile_env(profile)
+                results["null"]["profile_env"][profile] = env
+                saved = dict(os.environ)
+                os.environ.update(env)
+                try:
+                    results["null"]["variants"] += serving_path.run_null_sweep(
+                        ServeTarget, LOOP.run_until_complete, args["model"],
+                        lambda n: random_prompts(n, opts.prompt_len, vocab, seed=n), opts, lambda m: print(m, flush=True),
+                        profile)
+                finally:
+                    _stop_ray()
+                    os.environ.clear()
+                    os.environ.update(saved)
+        if not opts.skip_real:
+            results["real_profile"] = opts.real_profile
+            results["serve_env"].update(serving_path.profile_env(opts.real_profile))
+            os.environ.update(results["serve_env"])
+            direct = DirectTarget(args["model"], engine_kwargs)
+            try:
+                for replicas, n_threads in zip(opts.replicas, opts.replica_threads, strict=True):
+                    variant = run_variant(direct, {**args, "num_replicas": replicas, "torch_num_threads": n_threads}, opts, vocab)
+                    variant["torch_threads_per_replica"] = n_threads or os.cpu_count()
+                    results["variants"].append(variant)
+            finally:
+                direct.close()
     finally:
-        direct.close()
-        import ray
-
-        if ray.is_initialized():
-            ray.shutdown()
+        _stop_ray()
     results["loadavg_end"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
     write_report(results, out_dir)
     print(f"[bench-serving] wrote {out_dir / 'serving.md'}")

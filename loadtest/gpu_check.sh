@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU readiness check (issue 2), in one command on a machine with an NVIDIA GPU and this repo:
+# GPU readiness check, in one command on a machine with an NVIDIA GPU and this repo:
 #
 #   bash loadtest/gpu_check.sh
 #

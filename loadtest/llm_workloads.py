@@ -6,7 +6,7 @@ Profiles (`PROFILES`):
 - short-chat:     short questions (chat API), replies capped at 32-96 tokens.
 - long-prompt:    a ~1,100-token document to summarize (completions API), 64-token replies.
 - skewed:         90 % short-chat, 10 % long (long prompt and 256-token reply): a few heavy requests
-                  among many light ones (DESIGN §7 W3).
+                  among many light ones (W3).
 - shared-prefix:  multi-turn chats that all start with the same ~450-token system prompt; each user
                   keeps its conversation (its own questions and the server's replies) for `turns` turns,
                   then starts a new one. Exercises prefix caching.

@@ -2,7 +2,7 @@
 chat and text completions, with LLM latency metrics.
 
 Run it as its own process (the `locust` CLI), never imported into a process that imported Ray, vLLM
-or ssl: Locust monkey-patches with gevent (DESIGN §2). `make loadtest` runs it headless against
+or ssl: Locust monkey-patches with gevent . `make loadtest` runs it headless against
 `make serve`; by hand:
 
     .venv/bin/locust -f loadtest/locustfile.py --host http://127.0.0.1:8000 --headless -u 8 -r 4 -t 60s \\

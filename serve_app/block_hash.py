@@ -47,6 +47,12 @@ def extend_block_hashes(hashes: list[BlockHash], token_ids: Sequence[int], block
     return hashes
 
 
+def block_key(block_hash: BlockHash) -> int:
+    """A 64-bit key for routing (the hash's first 8 bytes): compact to publish, and a collision
+    could only mis-route a request, never serve it another prefix's KV."""
+    return int.from_bytes(block_hash[:8], "little")
+
+
 def prefix_block_hashes(token_ids: Sequence[int], block_size: int, salt: bytes | None = None) -> list[BlockHash]:
     """Hashes of every full block of `token_ids`, first block first."""
     return extend_block_hashes([], token_ids, block_size, len(token_ids) // block_size, salt)

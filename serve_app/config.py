@@ -135,7 +135,9 @@ class ServeConfig:
     as `dtype`, `device`, `max_num_seqs`, `kv_cache_memory_gib`), stored as sorted (name, value) pairs
     so the config stays frozen and picklable. `backend` picks the engine: `native` (this repository's;
     `engine` holds `EngineConfig` names) or `vllm` (vLLM's V1 async engine; `engine` holds
-    `backends.vllm_options.VLLMOptions` names, validated here without importing vllm).
+    `backends.vllm_options.VLLMOptions` names, validated here without importing vllm), or the
+    "module:Class" import path of any other `Backend` subclass (e.g. the benchmarks' null engine,
+    loadtest/null_backend.py), whose `options_from_kwargs(engine)` validates `engine`.
 
     Capacity: each LLMServer replica holds at most `max_ongoing_requests` requests (they all enter
     its engine, whose scheduler runs `max_num_seqs` of them at once); beyond that each caller queues
@@ -160,9 +162,15 @@ class ServeConfig:
     merge a stream's deltas that arrive within that interval into one item (the first token and the
     finish are never held): each streamed item costs CPU in the replica, the ingress and the proxy,
     which matters when engine steps are much shorter than the interval (GPUs).
-    Routing (DESIGN.md §6): `router` picks the LLMServer request router (`kv_aware`, Serve's `pow2`,
-    `round_robin`); `router_kwargs` tune the KV-aware one (weights, staleness bound; names in
+    A streamed response's headers go out as soon as every choice is admitted by its replica (validated
+    and queued), and while no token comes (a long queue) a `: keep-alive` SSE comment is sent every
+    `stream_keepalive_s`, so proxies with idle timeouts keep the connection.
+    Routing (docs/routing.md, docs/prefix_routing.md): `router` picks the LLMServer request router (`prefix_aware`: predicted time to first
+    token from each replica's published prefix cache; `kv_aware`: KV occupancy only; Serve's `pow2`;
+    `round_robin`); `router_kwargs` tune the first two (names in
     `serving.routing_policy.KVRouterSettings`); `request_router_class` plugs in any other router.
+    The ingress tokenizes prompts (`tokenize_in_ingress`) so that routers hash the engine's blocks;
+    `prefix_cache_salt: api_key` gives each API key (bearer token) its own prefix-cache namespace.
     Autoscaling: `autoscaling` (Serve's names: `min_replicas`, `max_replicas`,
     `target_ongoing_requests`, `upscale_delay_s`, ...; see `serving.autoscaling.AutoscalingSettings`)
     makes Serve scale LLMServer on load instead of running a fixed `num_replicas` (leave that unset).
@@ -180,7 +188,7 @@ class ServeConfig:
     max_ongoing_requests: int = 64
     max_queued_requests: int = 128
     request_routing_stats_period_s: float = 0.5
-    router: str = "kv_aware"  # kv_aware | pow2 (Serve's default) | round_robin (serve_app.serving.router)
+    router: str = "prefix_aware"  # prefix_aware | kv_aware | pow2 (Serve's default) | round_robin
     router_kwargs: tuple[tuple[str, Any], ...] = ()  # KVCacheAwareRouter options (routing_policy.KVRouterSettings)
     request_router_class: str = ""  # import path of another Serve RequestRouter; overrides `router`
     max_replicas_per_node: int = 0  # 0: no limit (1: one replica per node, e.g. one per GPU machine)
@@ -197,6 +205,7 @@ class ServeConfig:
     ingress_max_ongoing_requests: int = 1024
     ingress_max_queued_requests: int = 256
     request_timeout_s: float = 600.0
+    stream_keepalive_s: float = 10.0  # SSE comment every this many seconds while a stream has no event
     max_request_bytes: int = 1 << 20
     max_n: int = 8
     max_prompts_per_request: int = 16  # prompts in one completions request (a batch); n × prompts <= max_ongoing_requests
@@ -204,6 +213,8 @@ class ServeConfig:
     retry_after_s: int = 1
     api_key_env: str = "SERVE_APP_API_KEY"  # "" disables authentication whatever the environment holds
     log_requests: bool = False  # log prompts and outputs (off: only ids, sizes and timings)
+    tokenize_in_ingress: bool = True  # token ids travel with the request (needs the model's tokenizer files on ingress nodes)
+    prefix_cache_salt: str = "none"  # none (one shared prefix cache) | api_key (one per bearer token)
 
     def __post_init__(self) -> None:
         engine = self.engine.items() if isinstance(self.engine, dict) else self.engine
@@ -215,7 +226,8 @@ class ServeConfig:
         autoscaling = autoscaling.items() if isinstance(autoscaling, dict) else autoscaling
         object.__setattr__(self, "autoscaling", tuple(sorted((str(k), v) for k, v in autoscaling)))
         _require(bool(self.model), "model", "a model directory is required")
-        _require(self.backend in BACKENDS, "backend", f"must be one of {BACKENDS}, got {self.backend!r}")
+        _require(self.backend in BACKENDS or ":" in self.backend, "backend",
+                 f"must be one of {BACKENDS} or a 'module:Class' import path, got {self.backend!r}")
         self.backend_options()  # validates the engine options (names and values) for the backend
         for name in ("num_replicas", "ingress_num_replicas", "max_ongoing_requests", "ingress_max_ongoing_requests", "max_n",
                      "max_prompts_per_request"):
@@ -225,7 +237,7 @@ class ServeConfig:
         for name in ("num_cpus_per_replica", "num_gpus_per_replica", "ingress_num_cpus"):
             _require(getattr(self, name) >= 0, name, "must be >= 0")
         for name in ("request_routing_stats_period_s", "health_check_period_s", "health_check_timeout_s", "request_timeout_s",
-                     "engine_stall_timeout_s", "drain_timeout_s"):
+                     "engine_stall_timeout_s", "drain_timeout_s", "stream_keepalive_s"):
             _require(getattr(self, name) > 0, name, "must be > 0")
         _require(self.torch_num_threads >= 0, "torch_num_threads", "must be >= 0 (0: all cores)")
         _require(self.max_request_bytes >= 1024, "max_request_bytes", "must be >= 1024")
@@ -239,9 +251,10 @@ class ServeConfig:
         from serve_app.serving.routing_policy import ROUTER_CLASSES, KVRouterSettings  # no Ray import
 
         _require(self.router in ROUTER_CLASSES, "router", f"must be one of {tuple(ROUTER_CLASSES)}, got {self.router!r}")
+        _require(self.prefix_cache_salt in ("none", "api_key"), "prefix_cache_salt", "must be 'none' or 'api_key'")
         if self.router_kwargs:
-            _require(self.router == "kv_aware" and not self.request_router_class, "router_kwargs",
-                     "only the kv_aware router takes options")
+            _require(self.router in ("prefix_aware", "kv_aware") and not self.request_router_class, "router_kwargs",
+                     "only the prefix_aware and kv_aware routers take options")
             KVRouterSettings.from_kwargs(dict(self.router_kwargs))  # validates names and values
         _require(isinstance(self.max_replicas_per_node, int) and self.max_replicas_per_node >= 0,
                  "max_replicas_per_node", "must be an integer >= 0 (0: no limit)")
@@ -286,18 +299,44 @@ class ServeConfig:
         _require(self.backend == "vllm", "backend", f"vllm_options() is the vLLM backend's; this is {self.backend!r}")
         return VLLMOptions.from_kwargs(**self.engine_kwargs)
 
-    def backend_options(self) -> EngineConfig | VLLMOptions:
-        return self.vllm_options() if self.backend == "vllm" else self.engine_config()
+    def backend_options(self) -> Any:
+        """The engine options, validated: `EngineConfig` (native), `VLLMOptions` (vllm) or a plugin's."""
+        if self.backend == "vllm":
+            return self.vllm_options()
+        if self.backend == "native":
+            return self.engine_config()
+        return self.backend_class().options_from_kwargs(self.engine_kwargs)
+
+    def backend_class(self) -> Any:
+        """A plugin backend's class (`backend: "module:Class"`, a `serve_app.backends.Backend` subclass
+        with `options_from_kwargs(engine)` and `from_serve_config(config, stat_loggers)`)."""
+        import importlib
+
+        module, _, name = self.backend.partition(":")
+        try:
+            cls = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError) as exc:
+            raise ValueError(f"backend: cannot import {self.backend!r}: {exc}") from exc
+        from serve_app.backends.base import Backend
+
+        _require(isinstance(cls, type) and issubclass(cls, Backend), "backend", f"{self.backend!r} is not a Backend class")
+        return cls
 
     @property
     def device(self) -> str:
         """Where the engine runs: "cpu" or "cuda[:N]" (either backend)."""
-        return self.vllm_options().device if self.backend == "vllm" else self.engine_config().model.device
+        if self.backend == "native":
+            return self.engine_config().model.device
+        return self.backend_options().device
 
     @property
     def kv_block_size(self) -> int:
         """Tokens per KV-cache block in the engine (routers estimate a request's blocks with it)."""
-        return self.vllm_options().effective_block_size if self.backend == "vllm" else self.engine_config().cache.block_size
+        if self.backend == "native":
+            return self.engine_config().cache.block_size
+        if self.backend == "vllm":
+            return self.vllm_options().effective_block_size
+        return self.backend_options().block_size
 
     def autoscaling_settings(self) -> AutoscalingSettings | None:
         """The LLMServer autoscaling settings, None for a fixed `num_replicas`."""

@@ -10,6 +10,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+MAX_LOGPROBS = 20  # most alternatives per token (vLLM's default limit; OpenAI's chat API allows 20)
+
 
 class FinishReason(enum.StrEnum):
     STOP = "stop"  # EOS, a stop token id or a stop string
@@ -27,9 +29,15 @@ class SamplingParams:
     temperature 0 means greedy. top_k 0 (or -1) disables top-k; top_p 1.0 disables nucleus sampling.
     `seed` makes a request's samples reproducible whatever else shares its batch.
     `stop` strings end generation and are excluded from the returned text.
+    `max_tokens` None: until EOS or the end of the context (the engine fills in the room left).
+    Penalties (see `engine/penalties.py`): `repetition_penalty` (HF's, over prompt and output; 1 = off),
+    `presence_penalty` / `frequency_penalty` (OpenAI's, over the output; 0 = off).
+    `min_tokens`: EOS and `stop_token_ids` cannot be sampled before that many output tokens.
+    `logprobs` N: return each sampled token's log-probability and the N most likely alternatives
+    (of the model's raw distribution, before temperature, penalties and top-k/top-p).
     """
 
-    max_tokens: int = 16
+    max_tokens: int | None = 16
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -38,13 +46,18 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_tokens: int = 0
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
             raise ValueError(f"max_tokens: must be an integer >= 1, got {self.max_tokens!r}")
         if not self.temperature >= 0:
             raise ValueError(f"temperature: must be >= 0, got {self.temperature!r}")
@@ -58,10 +71,25 @@ class SamplingParams:
             raise ValueError("stop: every stop string must be a non-empty string")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids: must be non-negative integers")
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty: must be > 0, got {self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name}: must be in [-2, 2], got {getattr(self, name)!r}")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens: must be an integer >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens: {self.min_tokens} exceeds max_tokens {self.max_tokens}")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs: must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
 @dataclass(frozen=True)
@@ -69,7 +97,12 @@ class GenerateRequest:
     """One generation request as the serving layer hands it to a backend.
 
     `prompt` is text (tokenized as is) or token ids; `messages` (OpenAI chat format) is rendered with
-    the model's chat template instead when given.
+    the model's chat template instead when given. `prompt_token_ids`, when set, are that prompt or
+    those messages already tokenized (the ingress tokenizes once, so routers hash exactly the blocks
+    the engine looks up): the engine uses them and does not tokenize again; `prompt`/`messages` then
+    only describe the request (logs, routers that read text). `cache_salt` keeps the request's
+    cached prefix apart from those of other salts (tenants). `user` (OpenAI's end-user id) is a
+    routing tie-break: a session's requests prefer the replica that served it.
     """
 
     request_id: str
@@ -77,6 +110,9 @@ class GenerateRequest:
     messages: tuple[dict, ...] | None = None
     sampling_params: SamplingParams = field(default_factory=SamplingParams)
     arrival_time: float = field(default_factory=time.monotonic)
+    prompt_token_ids: tuple[int, ...] | None = None
+    cache_salt: str | None = None
+    user: str | None = None
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.messages is None):
@@ -117,6 +153,17 @@ class RequestMetrics:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token with its log-probability and the `logprobs` most likely alternatives,
+    most likely first: `top` holds (token id, token text, log-probability) triples."""
+
+    token_id: int
+    token: str
+    logprob: float
+    top: tuple[tuple[int, str, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class RequestOutput:
     """New output of one request.
 
@@ -132,3 +179,11 @@ class RequestOutput:
     num_prompt_tokens: int
     metrics: RequestMetrics
     prompt_token_ids: tuple[int, ...] = ()
+    logprobs: tuple[TokenLogprob, ...] | None = None  # one per token of `token_ids` when requested
+
+    @classmethod
+    def admitted(cls, request_id: str, prompt_token_ids: list[int], arrival_time: float) -> RequestOutput:
+        """The empty delta that says: validated and queued (a backend's first item)."""
+        n = len(prompt_token_ids)
+        return cls(request_id, "", (), False, None, n, RequestMetrics(arrival_time=arrival_time, num_prompt_tokens=n),
+                   tuple(prompt_token_ids))

@@ -2,6 +2,8 @@
 
 `native`: this repository's engine (backends/native.py). `vllm`: vLLM's V1 async engine
 (backends/vllm.py; needs `make install-vllm`). Neither engine is imported until its backend starts.
+Any other `Backend` subclass plugs in by import path (`backend: "module:Class"`, e.g. the null engine
+for benchmarks, loadtest/null_backend.py): `Class.from_serve_config(config, stat_loggers)` builds it.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ def make_backend(config: ServeConfig, stat_loggers: Sequence[Any] = ()) -> Backe
         from serve_app.backends.vllm import VLLMBackend  # imports vllm only in start()
 
         return VLLMBackend(config.model, config.vllm_options(), config.model_name, stat_loggers)
-    raise ValueError(f"backend: unknown backend {config.backend!r}")
+    return config.backend_class().from_serve_config(config, stat_loggers)  # a plugin ("module:Class")
 
 
 __all__ = ["Backend", "BackendDeadError", "ModelInfo", "RoutingStats", "make_backend"]

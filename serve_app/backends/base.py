@@ -8,10 +8,15 @@ Contracts:
 - `generate(request)` is an async iterator of `RequestOutput` *deltas* (text and token ids new since
   the previous item), ending with one whose `finished` is True. Invalid input raises `ValueError`
   whose message starts with the field name ("prompt: ...", "max_tokens: ...") from the first
-  iteration, before anything is queued. Leaving the iteration early (`aclose()`, task cancellation)
+  iteration, before anything is queued. The first item may be an empty delta (no tokens, not
+  finished) that confirms the request was accepted before its first token (the native backend sends
+  one; vLLM adds a request only when its output stream is first read, so there the first token is
+  the first item); the ingress then sends a stream's headers without waiting for the first token. Leaving the iteration early (`aclose()`, task cancellation)
   aborts the request and frees its KV cache.
 - `abort(request_id)` returns once the request's resources are free (no-op for unknown ids).
 - `routing_stats()` is cheap and non-blocking (called every routing-stats period).
+- `prefix_cache_update()` (optional) is the incremental view of what the prefix cache holds
+  (`serve_app.engine.kv_events`), merged into the routing stats at each poll; {} when not tracked.
 - `check_health()` raises when the backend can no longer serve (e.g. its engine loop died), so that
   Ray Serve replaces the replica.
 - `seconds_without_progress()`: how long the engine has had work without finishing a step (0 when
@@ -26,6 +31,7 @@ from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from serve_app.generation_config import GenerationDefaults
 from serve_app.types import GenerateRequest, RequestOutput
 
 
@@ -39,6 +45,11 @@ class RoutingStats:
     num_waiting: int
     num_running: int
     num_pending_prompt_tokens: int = 0  # prompt tokens queued for prefill (EngineLoad)
+    # the replica's own step-cost fit (serve_app.engine.step_cost), 0 until it has one: routers
+    # predict time to first token in seconds with it
+    step_fixed_s: float = 0.0
+    prefill_s_per_token: float = 0.0
+    decode_s_per_token: float = 0.0
 
     def as_dict(self) -> dict[str, float | int]:
         return asdict(self)
@@ -63,6 +74,7 @@ class ModelInfo:
     name: str
     max_model_len: int
     backend: str
+    generation_defaults: GenerationDefaults = GenerationDefaults()  # EOS ids, sampling defaults of the checkpoint
 
 
 class BackendDeadError(RuntimeError):
@@ -85,6 +97,10 @@ class Backend(ABC):
     @abstractmethod
     def routing_stats(self) -> RoutingStats:
         """Current load, cheap enough to call every fraction of a second."""
+
+    def prefix_cache_update(self) -> dict[str, Any]:
+        """What changed in the prefix cache since earlier polls (see the module docstring)."""
+        return {}
 
     @abstractmethod
     def model_info(self) -> ModelInfo:

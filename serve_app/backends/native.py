@@ -6,6 +6,7 @@ torch and the engine are imported in `start()`, inside the replica, so that impo
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any
@@ -34,6 +35,7 @@ class NativeBackend(Backend):
         self._engine: AsyncLLMEngine | None = None
         self._engine_dead_error: type[Exception] = BackendDeadError
         self._closed = False
+        self._publisher = None
 
     @property
     def engine(self) -> AsyncLLMEngine:
@@ -47,7 +49,10 @@ class NativeBackend(Backend):
         from serve_app.engine.async_engine import AsyncLLMEngine, EngineDeadError
 
         self._engine_dead_error = EngineDeadError
+        from serve_app.engine.kv_events import KVCachePublisher
+
         self._engine = AsyncLLMEngine(self.engine_config, self.stat_loggers)
+        self._publisher = KVCachePublisher(self._engine.engine.core.kv_events, self.engine_config.cache.block_size)
         load = self._engine.load()
         logger.info(
             "native engine ready: model %s, %s on %s, context %d tokens, %d KV blocks",
@@ -56,7 +61,7 @@ class NativeBackend(Backend):
         )
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
-        stream = self.engine.generate(request)
+        stream = self.engine.generate(request, announce=True)
         try:
             async for output in stream:
                 yield output
@@ -69,10 +74,19 @@ class NativeBackend(Backend):
         await self.engine.abort(request_id)
 
     def routing_stats(self) -> RoutingStats:
-        return RoutingStats.from_load(self.engine.load())
+        stats = RoutingStats.from_load(self.engine.load())
+        cost = self.engine.engine.step_cost.cost()
+        if cost is None:
+            return stats
+        return dataclasses.replace(stats, step_fixed_s=cost.fixed_s, prefill_s_per_token=cost.per_prefill_token_s,
+                                   decode_s_per_token=cost.per_decode_token_s)
+
+    def prefix_cache_update(self) -> dict[str, Any]:
+        return {} if self._publisher is None or self._engine is None else self._publisher.next_update()
 
     def model_info(self) -> ModelInfo:
-        return ModelInfo(name=self.model_name, max_model_len=self.engine.max_model_len, backend="native")
+        return ModelInfo(name=self.model_name, max_model_len=self.engine.max_model_len, backend="native",
+                         generation_defaults=self.engine.engine.input_processor.generation_defaults)
 
     def check_health(self) -> None:
         try:

@@ -31,7 +31,14 @@ from typing import TYPE_CHECKING, Any
 from serve_app.backends.base import Backend, BackendDeadError, ModelInfo, RoutingStats
 from serve_app.backends.vllm_options import VLLMOptions
 from serve_app.backends.vllm_stats import VLLMStatsBridge, finish_reason, make_vllm_stat_logger
-from serve_app.types import FinishReason, GenerateRequest, RequestMetrics, RequestOutput, SamplingParams
+from serve_app.types import (
+    FinishReason,
+    GenerateRequest,
+    RequestMetrics,
+    RequestOutput,
+    SamplingParams,
+    TokenLogprob,
+)
 
 if TYPE_CHECKING:
     from serve_app.engine.input_processor import InputProcessor
@@ -41,6 +48,21 @@ logger = logging.getLogger(__name__)
 ABORT_WAIT_S = 5.0  # abort() waits at most this long for the engine core's next stats message
 # vLLM reports usage statistics over the network by default; a replica must not
 NO_USAGE_STATS = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+
+
+def token_logprobs(token_ids: Sequence[int], logprobs: Any, num_top: int | None) -> tuple[TokenLogprob, ...] | None:
+    """vLLM's per-token {token id: Logprob(logprob, rank, decoded_token)} dicts (the sampled token
+    plus the top `num_top`, raw model distribution by default, as ours) as our `TokenLogprob`s."""
+    if num_top is None:
+        return None
+    out = []
+    for token_id, entries in zip(token_ids, logprobs or (), strict=True):
+        top = sorted(((lp.rank, t, lp) for t, lp in entries.items() if lp.rank is not None and lp.rank <= num_top),
+                     key=lambda e: e[0])
+        sampled = entries[token_id]
+        out.append(TokenLogprob(token_id, sampled.decoded_token or "", sampled.logprob,
+                                tuple((t, lp.decoded_token or "", lp.logprob) for _, t, lp in top)))
+    return tuple(out)
 
 
 class VLLMBackend(Backend):
@@ -93,8 +115,7 @@ class VLLMBackend(Backend):
         # vLLM's usage ratio excludes its one null block: used / (num_gpu_blocks - 1)
         self.stats.set_num_total_blocks(max(int(vllm_config.cache_config.num_gpu_blocks or 1) - 1, 0))
         self._max_model_len = int(vllm_config.model_config.max_model_len)
-        eos = self._engine.get_tokenizer().eos_token_id
-        self._input = InputProcessor(self.model, vllm_config.model_config.get_vocab_size(), self._max_model_len, eos)
+        self._input = InputProcessor(self.model, vllm_config.model_config.get_vocab_size(), self._max_model_len)
         logger.info(
             "vLLM engine ready in %.0f s: model %s, %s on %s, context %d tokens, %d KV blocks of %d tokens, eager %s",
             time.monotonic() - started, self.model_name, self.options.dtype, self.options.device, self._max_model_len,
@@ -116,6 +137,11 @@ class VLLMBackend(Backend):
             stop_token_ids=list(params.stop_token_ids),
             ignore_eos=params.ignore_eos,
             skip_special_tokens=params.skip_special_tokens,
+            repetition_penalty=params.repetition_penalty,
+            presence_penalty=params.presence_penalty,
+            frequency_penalty=params.frequency_penalty,
+            min_tokens=params.min_tokens,
+            logprobs=params.logprobs,
             output_kind=RequestOutputKind.DELTA,
         )
 
@@ -153,6 +179,7 @@ class VLLMBackend(Backend):
                     request_id=request.request_id, text=completion.text, token_ids=tuple(completion.token_ids),
                     finished=out.finished, finish_reason=reason, num_prompt_tokens=len(prompt_ids),
                     metrics=metrics, prompt_token_ids=tuple(prompt_ids),
+                    logprobs=token_logprobs(completion.token_ids, completion.logprobs, request.sampling_params.logprobs),
                 )
                 if finished:
                     return
@@ -187,7 +214,9 @@ class VLLMBackend(Backend):
 
     def model_info(self) -> ModelInfo:
         self.engine  # noqa: B018
-        return ModelInfo(name=self.model_name, max_model_len=self._max_model_len, backend="vllm")
+        assert self._input is not None
+        return ModelInfo(name=self.model_name, max_model_len=self._max_model_len, backend="vllm",
+                         generation_defaults=self._input.generation_defaults)
 
     def check_health(self) -> None:
         if self.engine.errored:

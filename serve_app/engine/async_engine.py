@@ -6,7 +6,9 @@ back to each request's asyncio queue with `call_soon_threadsafe`.
 
 Contracts:
 - `generate(request)` validates at once (ValueError naming the field) and then yields
-  `RequestOutput` deltas until one has `finished=True`.
+  `RequestOutput` deltas until one has `finished=True`. With `announce=True` the first item is an
+  empty delta (no tokens, not finished) yielded as soon as the request is queued, so a server can
+  answer before the first token.
 - Leaving the iteration early (client disconnect, cancellation) aborts the request; `abort()`
   returns once the request's KV blocks are free.
 - If a step raises, every waiting caller gets `EngineDeadError` (no hang) and `check_health()`
@@ -77,7 +79,7 @@ class AsyncLLMEngine:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request: GenerateRequest, announce: bool = False) -> AsyncIterator[RequestOutput]:
         self.check_health()
         if request.request_id in self._streams:
             raise ValueError(f"request_id: {request.request_id!r} is already in the engine")
@@ -93,6 +95,8 @@ class AsyncLLMEngine:
         self._inbox.put(("add", request, engine_request))
         finished = False
         try:
+            if announce:
+                yield RequestOutput.admitted(request.request_id, engine_request.prompt_token_ids, request.arrival_time)
             while True:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
@@ -194,10 +198,20 @@ class AsyncLLMEngine:
             self.engine.add_processed(request, engine_request)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
+        # one wake-up of each event loop per step, carrying every stream's delta (not one per token:
+        # each call_soon_threadsafe writes the loop's self-pipe)
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is not None:
-                stream.put(out)
+                by_loop.setdefault(stream.loop, []).append((stream.queue, out))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, items)
+
+
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for q, out in items:
+        q.put_nowait(out)
 
 
 def _resolve(future: asyncio.Future) -> None:

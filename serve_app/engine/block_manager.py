@@ -13,6 +13,9 @@ hash and its token ids (SHA-256, serve_app/block_hash.py: collision-resistant, a
 process, so a router can compute the keys this cache holds). A new request whose
 prompt starts with the same blocks shares them (ref_count > 1). Freed hashed blocks stay cached in
 the free queue, ordered least-recently-used first, and are evicted only when allocation needs them.
+
+With an `events` log, every block entering the prefix cache is reported as stored and every block
+leaving it (evicted, reset) as removed, so routers can track what this cache holds.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from serve_app.block_hash import BlockHash, extend_block_hashes
+from serve_app.engine.kv_events import KVEventLog
 from serve_app.engine.request import Request
 
 
@@ -36,7 +40,8 @@ def cdiv(a: int, b: int) -> int:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 events: KVEventLog | None = None) -> None:
         if num_blocks < 1:
             raise ValueError("num_blocks: must be >= 1")
         self.num_blocks = num_blocks
@@ -48,6 +53,7 @@ class BlockManager:
         self._cached: dict[BlockHash, int] = {}  # block hash -> block id
         self._tables: dict[str, list[int]] = {}
         self._num_hashed: dict[str, int] = {}  # leading blocks of a table already in the prefix cache
+        self.events = events
 
     # ---- queries -------------------------------------------------------------------------------
     @property
@@ -67,7 +73,8 @@ class BlockManager:
 
     # ---- prefix cache --------------------------------------------------------------------------
     def _extend_hashes(self, request: Request, num_full_blocks: int) -> None:
-        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, num_full_blocks)
+        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, num_full_blocks,
+                            request.cache_salt)
 
     def find_cached_prefix(self, request: Request) -> list[int]:
         """Block ids holding the longest cached prefix of the request's tokens.
@@ -106,6 +113,8 @@ class BlockManager:
             if block.block_hash is None and block_hash not in self._cached:
                 block.block_hash = block_hash
                 self._cached[block_hash] = block.block_id
+                if self.events is not None:
+                    self.events.stored(block_hash)
         self._num_hashed[rid] = num_full
 
     # ---- allocation ----------------------------------------------------------------------------
@@ -141,8 +150,7 @@ class BlockManager:
             block_id, _ = self._free.popitem(last=False)
             block = self.blocks[block_id]
             if block.block_hash is not None:  # evict from the prefix cache
-                del self._cached[block.block_hash]
-                block.block_hash = None
+                self._uncache(block)
             block.ref_count = 1
             table.append(block_id)
         return True
@@ -163,10 +171,15 @@ class BlockManager:
                     self._free.move_to_end(block_id, last=False)
 
     def reset_prefix_cache(self) -> None:
-        for block_hash, block_id in list(self._cached.items()):
+        for block_id in list(self._cached.values()):
             if self.blocks[block_id].ref_count == 0:
-                self.blocks[block_id].block_hash = None
-                del self._cached[block_hash]
+                self._uncache(self.blocks[block_id])
+
+    def _uncache(self, block: KVBlock) -> None:
+        del self._cached[block.block_hash]
+        if self.events is not None:
+            self.events.removed(block.block_hash)
+        block.block_hash = None
 
     # ---- invariants ----------------------------------------------------------------------------
     def check_integrity(self) -> None:

@@ -30,10 +30,16 @@ _SOURCES = sorted((Path(__file__).with_name("csrc")).glob("*.cpp"))
 def _extension() -> Any | None:
     """Build (or load the cached build of) the extension; None if that fails."""
     try:
+        import torch
         from torch.utils.cpp_extension import load
 
-        # the name carries the sources' hash: checkouts with different kernels never share a build
-        digest = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES)).hexdigest()[:12]
+        # the name carries a hash of the sources and of the torch installation: checkouts with other
+        # kernels, and environments with another torch (whose include path is in build.ninja, so
+        # torch would rebuild), never share a build directory, so a built extension is only loaded
+        digest = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES) + torch.__file__.encode()).hexdigest()[:12]
+        # a cold build runs one compiler at a time: each holds ~1.1 GB resident (torch's headers),
+        # and in parallel they were most of the engine's peak memory at start-up
+        os.environ.setdefault("MAX_JOBS", "1")
         return load(
             name=f"serve_app_cpu_ops_{digest}",
             sources=[str(p) for p in _SOURCES],

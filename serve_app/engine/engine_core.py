@@ -7,6 +7,7 @@ from collections.abc import Iterable
 
 from serve_app.config import EngineConfig
 from serve_app.engine.block_manager import BlockManager
+from serve_app.engine.kv_events import KVEventLog
 from serve_app.engine.model_runner import ModelRunner
 from serve_app.engine.outputs import EngineCoreOutput, EngineCoreOutputs
 from serve_app.engine.request import Request
@@ -34,10 +35,8 @@ class EngineCore:
         if not config.scheduler.enable_chunked_prefill:  # a whole prompt (or recompute) must fit one step
             limits.append(config.scheduler.max_num_batched_tokens)
         self.max_model_len = min(limits)
-        self.eos_token_id = hf_config.get("eos_token_id")
-        if isinstance(self.eos_token_id, list):
-            self.eos_token_id = self.eos_token_id[0]
-        self.block_manager = BlockManager(num_blocks, block_size, config.cache.enable_prefix_caching)
+        self.kv_events = KVEventLog()  # what the prefix cache holds, for routers
+        self.block_manager = BlockManager(num_blocks, block_size, config.cache.enable_prefix_caching, self.kv_events)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
         self.step_index = 0
 

@@ -2,27 +2,41 @@
 
 Every rejection is a `ValueError` whose message starts with the offending field (`prompt`,
 `messages`, `max_tokens`, ...), raised before the request touches the scheduler.
+
+Tokenization follows the model's own tokenizer settings: a text prompt gets the special tokens its
+tokenizer adds (Llama and Mistral prepend a BOS, SmolLM2 and Qwen2 add nothing); a chat is rendered
+by the chat template, which writes its special tokens itself.
+
+Context length (the same rule as OpenAI's API): a request whose prompt plus `max_tokens` does not
+fit the context is rejected (`max_tokens: ...`, naming both numbers), never cut short silently;
+`max_tokens` None means the room left in the context.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
 from serve_app.engine.request import Request
+from serve_app.generation_config import GenerationDefaults
 from serve_app.types import GenerateRequest
 
 
 class InputProcessor:
-    def __init__(self, model_dir: str, vocab_size: int, max_model_len: int, eos_token_id: int | None) -> None:
+    def __init__(self, model_dir: str, vocab_size: int, max_model_len: int) -> None:
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
-        self.eos_token_id = eos_token_id
+        self.generation_defaults = GenerationDefaults.from_model_dir(model_dir)
         self.hf_tokenizer = None
         if (Path(model_dir) / "tokenizer.json").is_file():
             from transformers import AutoTokenizer
 
             self.hf_tokenizer = AutoTokenizer.from_pretrained(model_dir)
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return self.generation_defaults.eos_token_ids
 
     @property
     def tokenizer(self):
@@ -47,13 +61,15 @@ class InputProcessor:
         if isinstance(prompt, str):
             if self.hf_tokenizer is None:
                 raise ValueError("prompt: this model has no tokenizer; send token ids")
-            return self.hf_tokenizer.encode(prompt, add_special_tokens=False)
+            return self.hf_tokenizer.encode(prompt)  # with the special tokens this tokenizer adds
         if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in prompt):
             raise ValueError(f"prompt: token ids must be integers in [0, {self.vocab_size})")
         return list(prompt)
 
     def process(self, request: GenerateRequest) -> Request:
-        if request.messages is not None:
+        if request.prompt_token_ids is not None:  # tokenized by the ingress
+            token_ids = self.tokenize(list(request.prompt_token_ids))
+        elif request.messages is not None:
             token_ids = self.apply_chat_template(request.messages)
         else:
             token_ids = self.tokenize(request.prompt)
@@ -64,10 +80,22 @@ class InputProcessor:
                 f"prompt: {len(token_ids)} tokens leave no room to generate within the context length "
                 f"of {self.max_model_len} tokens"
             )
+        params = request.sampling_params
+        room = self.max_model_len - len(token_ids)
+        if params.max_tokens is None:
+            params = dataclasses.replace(params, max_tokens=room)  # min_tokens > room: ValueError naming it
+        if params.max_tokens > room:
+            raise ValueError(
+                f"max_tokens: the prompt's {len(token_ids)} tokens plus max_tokens={params.max_tokens} exceed the "
+                f"context length of {self.max_model_len} tokens (at most {room} tokens can be generated)"
+            )
+        if any(t >= self.vocab_size for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids: token ids must be integers in [0, {self.vocab_size})")
         return Request(
             request_id=request.request_id,
             prompt_token_ids=token_ids,
-            sampling_params=request.sampling_params,
-            eos_token_id=self.eos_token_id,
+            sampling_params=params,
+            eos_token_ids=self.eos_token_ids,
             arrival_time=request.arrival_time,
+            cache_salt=request.cache_salt.encode() if request.cache_salt else None,
         )

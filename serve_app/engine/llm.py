@@ -1,4 +1,4 @@
-"""Offline API (DESIGN.md §4):
+"""Offline API:
 
     llm = LLM("models/smollm2-135m-instruct", dtype="float32", device="cpu", batching="continuous")
     outs = llm.generate(["prompt", [1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=32))
@@ -30,6 +30,7 @@ def merge_outputs(first: RequestOutput, delta: RequestOutput) -> RequestOutput:
         num_prompt_tokens=delta.num_prompt_tokens,
         metrics=delta.metrics,
         prompt_token_ids=delta.prompt_token_ids,
+        logprobs=None if first.logprobs is None else first.logprobs + (delta.logprobs or ()),
     )
 
 
@@ -66,13 +67,17 @@ class LLM:
         """Forget cached prefix blocks (those no running request holds), e.g. between benchmark runs."""
         self.engine.core.block_manager.reset_prefix_cache()
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams() with the checkpoint's generation_config.json sampling defaults applied
+        (what `generate` and `chat` use when given no sampling params)."""
+        return SamplingParams(**dict(self.engine.input_processor.generation_defaults.sampling))
+
     def _next_id(self) -> str:
         return str(next(self._ids))
 
-    @staticmethod
-    def _params(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> Sequence[SamplingParams]:
+    def _params(self, params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> Sequence[SamplingParams]:
         if params is None:
-            return [SamplingParams()] * n
+            return [self.get_default_sampling_params()] * n
         if isinstance(params, SamplingParams):
             return [params] * n
         if len(params) != n:

@@ -15,6 +15,7 @@ from serve_app.engine.input_processor import InputProcessor
 from serve_app.engine.output_processor import OutputProcessor
 from serve_app.engine.outputs import EngineCoreOutput
 from serve_app.engine.request import Request
+from serve_app.engine.step_cost import StepCostFit
 from serve_app.metrics.stats import EngineLoad, SchedulerStats
 from serve_app.types import FinishReason, GenerateRequest, RequestMetrics, RequestOutput
 
@@ -35,10 +36,11 @@ class LLMEngine:
         self.config = config
         self.core = EngineCore(config)
         runner = self.core.model_runner
-        self.input_processor = InputProcessor(config.model.model, runner.args.vocab_size, self.core.max_model_len, self.core.eos_token_id)
+        self.input_processor = InputProcessor(config.model.model, runner.args.vocab_size, self.core.max_model_len)
         self.output_processor = OutputProcessor(self.input_processor.tokenizer)
         self.stat_loggers = list(stat_loggers)
         self.last_stats: SchedulerStats | None = None
+        self.step_cost = StepCostFit()  # this engine's seconds per step, fit from its recent steps
 
     @property
     def max_model_len(self) -> int:
@@ -67,8 +69,9 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         core_outputs = self.core.step()
         results, stop_ids = self.output_processor.process(core_outputs.outputs)
-        if core_outputs.scheduler_stats is not None:
-            self.last_stats = core_outputs.scheduler_stats
+        if (stats := core_outputs.scheduler_stats) is not None:
+            self.last_stats = stats
+            self.step_cost.observe(stats.num_prefill_tokens, stats.num_decode_tokens, stats.step_duration_s)
         self._log(core_outputs.scheduler_stats, core_outputs.outputs)
         if stop_ids:
             results += self._finish(self.core.finish_requests(stop_ids, FinishReason.STOP))
@@ -89,6 +92,9 @@ class LLMEngine:
                           sched.num_pending_prompt_tokens)
 
     def _log(self, stats: SchedulerStats | None, outputs: Iterable[EngineCoreOutput]) -> None:
+        for o in outputs:
+            if o.metrics is not None:
+                self.core.kv_events.request_finished(o.request_id, o.metrics.num_cached_tokens, o.metrics.num_prompt_tokens)
         if not self.stat_loggers:
             return
         finished = [(o.finish_reason, o.metrics) for o in outputs if o.metrics is not None]

@@ -16,9 +16,11 @@ import torch
 from serve_app.config import CacheConfig, ModelConfig
 from serve_app.engine import cpu_kernels
 from serve_app.engine.attention import AttentionMetadata, PrefillChunk
+from serve_app.engine.logprobs import sampled_logprobs
 from serve_app.engine.models.llama import LlamaArgs
 from serve_app.engine.models.loader import load_model
 from serve_app.engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from serve_app.engine.penalties import process_logits
 from serve_app.engine.sampler import sample
 
 logger = logging.getLogger(__name__)
@@ -122,5 +124,11 @@ class ModelRunner:
         if not samplers:
             return ModelRunnerOutput((), ())
         logits = self.model.compute_logits(hidden[self._tensor(rows)])
-        token_ids = sample(logits, [s.sampling_params for s in samplers], [s.generator_key for s in samplers], self.generator)
-        return ModelRunnerOutput(tuple(s.request_id for s in samplers), tuple(token_ids))
+        params = [s.sampling_params for s in samplers]
+        processed = process_logits(logits, params, [s.prompt_token_ids for s in samplers],
+                                   [s.output_token_ids for s in samplers], [s.blocked_token_ids for s in samplers])
+        token_ids = sample(processed, params, [s.generator_key for s in samplers], self.generator)
+        logprobs = ()
+        if any(p.logprobs is not None for p in params):
+            logprobs = tuple(sampled_logprobs(logits, token_ids, [p.logprobs for p in params]))
+        return ModelRunnerOutput(tuple(s.request_id for s in samplers), tuple(token_ids), logprobs)

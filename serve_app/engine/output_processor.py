@@ -1,5 +1,6 @@
 """Turns engine-core outputs (token ids) into `RequestOutput` deltas (text + token ids).
 
+Log-probabilities (when requested) become `TokenLogprob`s here, with each token's own text.
 Stop strings are found here, after detokenizing: such a request is reported in `stop_ids`, and the
 caller finishes it in the core (`EngineCore.finish_requests(ids, FinishReason.STOP)`), whose output
 then closes the stream with the truncated text.
@@ -13,8 +14,9 @@ from dataclasses import dataclass, field
 from tokenizers import Tokenizer
 
 from serve_app.engine.detokenizer import IncrementalDetokenizer
+from serve_app.engine.logprobs import SampledLogprobs
 from serve_app.engine.outputs import EngineCoreOutput
-from serve_app.types import RequestMetrics, RequestOutput, SamplingParams
+from serve_app.types import RequestMetrics, RequestOutput, SamplingParams, TokenLogprob
 
 
 @dataclass
@@ -24,6 +26,7 @@ class _RequestState:
     arrival_time: float
     detokenizer: IncrementalDetokenizer | None
     pending_token_ids: list[int] = field(default_factory=list)
+    pending_logprobs: list[TokenLogprob] | None = None  # a list when the request asked for logprobs
     num_generated: int = 0
     first_token_time: float | None = None
     stop_requested: bool = False
@@ -36,7 +39,15 @@ class OutputProcessor:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival_time: float) -> None:
         detok = IncrementalDetokenizer(self._tokenizer, params) if self._tokenizer is not None else None
-        self._states[request_id] = _RequestState(request_id, tuple(prompt_token_ids), arrival_time, detok)
+        self._states[request_id] = _RequestState(request_id, tuple(prompt_token_ids), arrival_time, detok,
+                                                 pending_logprobs=None if params.logprobs is None else [])
+
+    def _token_text(self, token_id: int) -> str:
+        return "" if self._tokenizer is None else self._tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _to_token_logprob(self, token_id: int, lp: SampledLogprobs) -> TokenLogprob:
+        top = tuple((t, self._token_text(t), v) for t, v in zip(lp.top_ids, lp.top_logprobs, strict=True))
+        return TokenLogprob(token_id, self._token_text(token_id), lp.logprob, top)
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self._states
@@ -59,6 +70,9 @@ class OutputProcessor:
                 state.num_generated += len(out.new_token_ids)
                 if not state.stop_requested:
                     state.pending_token_ids.extend(out.new_token_ids)
+                    if state.pending_logprobs is not None and out.new_logprobs is not None:
+                        state.pending_logprobs.extend(
+                            self._to_token_logprob(t, lp) for t, lp in zip(out.new_token_ids, out.new_logprobs, strict=True))
                     if state.detokenizer is not None:
                         state.detokenizer.update(out.new_token_ids)
             finished = out.finish_reason is not None
@@ -86,9 +100,12 @@ class OutputProcessor:
                     num_prompt_tokens=len(state.prompt_token_ids),
                     metrics=metrics,
                     prompt_token_ids=state.prompt_token_ids,
+                    logprobs=None if state.pending_logprobs is None else tuple(state.pending_logprobs),
                 )
             )
             state.pending_token_ids.clear()
+            if state.pending_logprobs is not None:
+                state.pending_logprobs.clear()
             if finished:
                 del self._states[out.request_id]
         return results, stop_ids

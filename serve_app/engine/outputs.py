@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from serve_app.engine.logprobs import SampledLogprobs
 from serve_app.metrics.stats import SchedulerStats
 from serve_app.types import FinishReason, RequestMetrics, SamplingParams
 
@@ -25,6 +26,10 @@ class ScheduledRequest:
     reads_prompt: bool  # for stats only: some of these tokens are prompt tokens
     sampling_params: SamplingParams
     generator_key: int | None  # seed-derived key of this request's next sample (None: unseeded)
+    # for the logits processors (engine/penalties.py), set only on sampling chunks that need them:
+    prompt_token_ids: tuple[int, ...] = ()  # with penalties
+    output_token_ids: tuple[int, ...] = ()  # with penalties
+    blocked_token_ids: tuple[int, ...] = ()  # EOS and stop ids while the output is shorter than min_tokens
 
     @property
     def num_tokens(self) -> int:
@@ -52,6 +57,7 @@ class ModelRunnerOutput:
 
     request_ids: tuple[str, ...]
     sampled_token_ids: tuple[int, ...]
+    logprobs: tuple[SampledLogprobs | None, ...] = ()  # per request when any asked for logprobs, else empty
 
 
 @dataclass(frozen=True)
@@ -63,6 +69,7 @@ class EngineCoreOutput:
     finish_reason: FinishReason | None = None
     stop_reason: int | None = None  # the stop token id that ended it, if any
     metrics: RequestMetrics | None = None  # set when finished
+    new_logprobs: tuple[SampledLogprobs, ...] | None = None  # one per new token when requested
 
 
 @dataclass(frozen=True)

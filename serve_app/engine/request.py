@@ -26,7 +26,7 @@ class Request:
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    eos_token_id: int | None
+    eos_token_ids: frozenset[int] | None  # any of them ends generation (None: no EOS)
     arrival_time: float
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -39,8 +39,11 @@ class Request:
     num_preemptions: int = 0
     # prefix-cache hashes of this request's full blocks, extended as blocks fill up
     block_hashes: list[BlockHash] = field(default_factory=list)
+    # root of the hash chain: requests with different salts (tenants) never share cached blocks
+    cache_salt: bytes | None = None
 
     def __post_init__(self) -> None:
+        self.eos_token_ids = frozenset(self.eos_token_ids or ())
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
 
     @property

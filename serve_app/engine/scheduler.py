@@ -180,7 +180,12 @@ class Scheduler:
     def _to_scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
         start = request.num_computed_tokens
         sample = start + num_new == request.num_tokens
-        seed = request.sampling_params.seed
+        params = request.sampling_params
+        seed = params.seed
+        penalties = sample and params.has_penalties
+        blocked: tuple[int, ...] = ()
+        if sample and request.num_output_tokens < params.min_tokens:
+            blocked = tuple(sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else request.eos_token_ids)))
         return ScheduledRequest(
             request_id=request.request_id,
             token_ids=tuple(request.all_token_ids[start : start + num_new]),
@@ -190,6 +195,9 @@ class Scheduler:
             reads_prompt=start < request.num_prompt_tokens,
             sampling_params=request.sampling_params,
             generator_key=None if seed is None else hash((seed, request.num_output_tokens)),
+            prompt_token_ids=tuple(request.prompt_token_ids) if penalties else (),
+            output_token_ids=tuple(request.output_token_ids) if penalties else (),
+            blocked_token_ids=blocked,
         )
 
     def _preempt(self, request: Request) -> None:
@@ -209,7 +217,9 @@ class Scheduler:
             if request is not None:
                 self.block_manager.cache_full_blocks(request)
         outputs = []
-        for request_id, token_id in zip(runner_output.request_ids, runner_output.sampled_token_ids, strict=True):
+        logprobs = runner_output.logprobs or (None,) * len(runner_output.request_ids)
+        for request_id, token_id, token_logprobs in zip(runner_output.request_ids, runner_output.sampled_token_ids, logprobs,
+                                                        strict=True):
             request = self.requests.get(request_id)
             if request is None:  # aborted while the step ran
                 continue
@@ -221,12 +231,13 @@ class Scheduler:
             if reason is not None:
                 self.running.remove(request)
                 metrics = self._finish(request, reason, now)
-            outputs.append(EngineCoreOutput(request_id, (token_id,), reason, stop_token, metrics))
+            new_logprobs = None if token_logprobs is None else (token_logprobs,)
+            outputs.append(EngineCoreOutput(request_id, (token_id,), reason, stop_token, metrics, new_logprobs))
         return outputs
 
     def _check_stop(self, request: Request, token_id: int) -> tuple[FinishReason | None, int | None]:
         params = request.sampling_params
-        if token_id == request.eos_token_id and not params.ignore_eos:
+        if token_id in request.eos_token_ids and not params.ignore_eos:
             return FinishReason.STOP, None
         if token_id in params.stop_token_ids:
             return FinishReason.STOP, token_id

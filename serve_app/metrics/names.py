@@ -1,6 +1,6 @@
 """Every metric this service exports: names, types, help texts, labels and bucket boundaries.
 
-The one place that owns them (DESIGN.md §5). Both exporters (`loggers.RayStatLogger` through
+The one place that owns them (docs/architecture.md lists them). Both exporters (`loggers.RayStatLogger` through
 `ray.serve.metrics`, `loggers.PrometheusStatLogger` through `prometheus_client`), the router metrics,
 the Prometheus rules and the Grafana dashboard use exactly these names.
 
@@ -25,6 +25,8 @@ FINISH_REASON_LABEL = "finish_reason"
 # The LLMServer replica a router-side series is about. Not `replica`: under Ray Serve that label is
 # reserved and names the replica that *records* the metric (for the router: the ingress replica).
 TARGET_REPLICA_LABEL = "target_replica"
+ROUTING_REASON_LABEL = "reason"  # cache_hit | spill | load | fallback (serving.prefix_policy)
+PREDICTION_SOURCE_LABEL = "source"  # exact (replica's cache events) | approximate (router's own history)
 
 
 @dataclass(frozen=True)
@@ -131,13 +133,33 @@ ROUTER_ROUTED_REQUESTS = MetricSpec(
     "llm_router_routed_requests_total", "counter", "Requests the router sent to each LLMServer replica.",
     labels=(TARGET_REPLICA_LABEL,))
 
+ROUTER_DECISIONS = MetricSpec(
+    "llm_router_decisions_total", "counter",
+    "Routing decisions by reason: cache_hit (sent where its prefix is cached), spill (a replica holding "
+    "more of it was slower), load (no replica held any), fallback (stale statistics); by chosen replica.",
+    labels=(ROUTING_REASON_LABEL, TARGET_REPLICA_LABEL))
+ROUTER_CACHED_TOKENS_ABS_ERROR = MetricSpec(
+    "llm_router_cached_tokens_abs_error", "histogram",
+    "|Router's predicted - the engine's actual| cached prompt tokens, per request (le=0.5: exact).",
+    labels=(PREDICTION_SOURCE_LABEL, TARGET_REPLICA_LABEL),
+    buckets=(0.5, 16, 64, 256, 1024, 4096, 16384))
+ROUTER_PREDICTED_CACHED_TOKENS = MetricSpec(
+    "llm_router_predicted_cached_tokens_total", "counter",
+    "Cached prompt tokens the router predicted, over requests whose actual count was reported.",
+    labels=(PREDICTION_SOURCE_LABEL, TARGET_REPLICA_LABEL))
+ROUTER_ACTUAL_CACHED_TOKENS = MetricSpec(
+    "llm_router_actual_cached_tokens_total", "counter",
+    "Cached prompt tokens the engines reported, for the same requests (predicted - actual: the signed error).",
+    labels=(PREDICTION_SOURCE_LABEL, TARGET_REPLICA_LABEL))
+
 ENGINE_METRICS: tuple[MetricSpec, ...] = (
     STEP_BATCH_SIZE, STEP_NUM_TOKENS, STEP_DURATION,
     TIME_TO_FIRST_TOKEN, TIME_PER_OUTPUT_TOKEN, E2E_REQUEST_LATENCY, REQUEST_QUEUE_TIME,
     KV_CACHE_USAGE, NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING,
     NUM_PREEMPTIONS, PROMPT_TOKENS, GENERATION_TOKENS, PREFIX_CACHE_QUERIES, PREFIX_CACHE_HITS, REQUEST_SUCCESS,
 )
-ROUTER_METRICS: tuple[MetricSpec, ...] = (ROUTER_STATS_AGE, ROUTER_ROUTED_REQUESTS)
+ROUTER_METRICS: tuple[MetricSpec, ...] = (ROUTER_STATS_AGE, ROUTER_ROUTED_REQUESTS, ROUTER_DECISIONS, ROUTER_CACHED_TOKENS_ABS_ERROR,
+                                          ROUTER_PREDICTED_CACHED_TOKENS, ROUTER_ACTUAL_CACHED_TOKENS)
 ALL_METRICS: tuple[MetricSpec, ...] = ENGINE_METRICS + ROUTER_METRICS
 BY_NAME: dict[str, MetricSpec] = {m.name: m for m in ALL_METRICS}
 

@@ -1,4 +1,4 @@
-"""What a request router records about its decisions (for `KVCacheAwareRouter`, DESIGN.md §6).
+"""What a request router records about its decisions (for `KVCacheAwareRouter`).
 
     metrics = RouterMetrics.for_ray(model_name)            # in the router (inside a DeploymentHandle)
     metrics.record_routed(replica.replica_id.unique_id, stats_age_s=now - sample_time)
@@ -6,6 +6,9 @@
 - `llm_router_stats_age_seconds{target_replica}`: how old the occupancy sample was that the router
   used for that replica at its latest decision (None: it had no sample, nothing is set).
 - `llm_router_routed_requests_total{target_replica}`: requests sent to each replica.
+- `llm_router_decisions_total{reason,target_replica}`: decisions by reason (prefix-aware router).
+- `llm_router_cached_tokens_error{source,target_replica}` (histogram) and `..._abs_error_total`: predicted −
+  actual cached prompt tokens per request, once the replica reported what its engine found.
 
 `target_replica` should be the LLMServer replica's unique id (`RunningReplica.replica_id.unique_id`),
 the value Ray Serve puts in the `replica` label of that replica's own metrics, so that dashboards can
@@ -33,6 +36,10 @@ class RouterMetrics:
         self.num_errors = 0
         self._age = make(names.ROUTER_STATS_AGE)
         self._routed = make(names.ROUTER_ROUTED_REQUESTS)
+        self._decisions = make(names.ROUTER_DECISIONS)
+        self._abs_error = make(names.ROUTER_CACHED_TOKENS_ABS_ERROR)
+        self._predicted = make(names.ROUTER_PREDICTED_CACHED_TOKENS)
+        self._actual = make(names.ROUTER_ACTUAL_CACHED_TOKENS)
         self._labels: dict[str, dict[str, str]] = {}
 
     @classmethod
@@ -75,6 +82,25 @@ class RouterMetrics:
             self._routed.inc(1, labels)
             if stats_age_s is not None:
                 self._age.set(max(float(stats_age_s), 0.0), labels)
+        except Exception:  # noqa: BLE001
+            self._on_error()
+
+    def record_decision(self, reason: str, replica_id: str) -> None:
+        try:
+            self._decisions.inc(1, {**self._target(replica_id), names.ROUTING_REASON_LABEL: reason})
+        except Exception:  # noqa: BLE001
+            self._on_error()
+
+    def record_prediction(self, replica_id: str, predicted_tokens: int, actual_tokens: int, source: str = "exact") -> None:
+        """One request's predicted vs the engine's actual cached prompt tokens on `replica_id`."""
+        try:
+            labels = {**self._target(replica_id), names.PREDICTION_SOURCE_LABEL: source}
+            self._abs_error.observe(abs(predicted_tokens - actual_tokens), labels)
+            for counter, value in ((self._predicted, predicted_tokens), (self._actual, actual_tokens)):
+                if value > 0:  # Ray's counters take positive increments only
+                    counter.inc(value, labels)
+                else:
+                    counter.touch(labels)
         except Exception:  # noqa: BLE001
             self._on_error()
 

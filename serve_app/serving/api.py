@@ -10,11 +10,19 @@ POST /v1/chat/completions (streamed or not). A request with `n` > 1 or a batch o
 into one engine request per choice, all on the same deadline (`request_timeout_s`); the fan-out is
 bounded (`max_prompts_per_request`, n × prompts <= `max_ongoing_requests`) and checked before any
 choice is sent. Prompts and outputs are never logged.
+
+With an `input_processor` (the engine's own `InputProcessor`, built by the ingress), each prompt is
+tokenized (chat template applied) once, here: the engine requests carry `prompt_token_ids`, so the
+router hashes exactly the blocks the engine will look up and the replica does not tokenize again.
+Bad prompts are rejected here with the engine's 400. With `prefix_cache_salt: api_key`, requests are
+salted with a digest of their bearer token, so tenants never share (or time) each other's prefixes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import hashlib
 import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -30,7 +38,7 @@ from serve_app.config import ServeConfig
 from serve_app.serving.errors import APIError, to_api_error, validation_error
 from serve_app.serving.middleware import APIKeyMiddleware, BodySizeLimitMiddleware
 from serve_app.serving.openai_protocol import ChatCompletionRequest, CompletionRequest
-from serve_app.serving.responses import DONE_EVENT, ChoiceState, ResponseBuilder
+from serve_app.serving.responses import DONE_EVENT, KEEPALIVE_EVENT, ChoiceState, ResponseBuilder
 from serve_app.serving.streams import ChoicePump, ChoiceStream, start_all
 from serve_app.types import GenerateRequest
 
@@ -57,10 +65,24 @@ class _ClosingStreamingResponse(StreamingResponse):
 
 
 class OpenAIAPI:
-    def __init__(self, llm_handle, config: ServeConfig, info: ModelInfo) -> None:
+    def __init__(self, llm_handle, config: ServeConfig, info: ModelInfo, input_processor=None) -> None:
         self.llm = llm_handle
         self.config = config
         self.info = info
+        self.input_processor = input_processor  # serve_app.engine.input_processor.InputProcessor, or None
+
+    def _prepare(self, request: GenerateRequest, salt: str | None) -> GenerateRequest:
+        """The request with its token ids (tokenized once, here) and cache salt."""
+        ids = None
+        if self.input_processor is not None:
+            ids = tuple(self.input_processor.process(request).prompt_token_ids)  # ValueError → 400
+        return dataclasses.replace(request, prompt_token_ids=ids, cache_salt=salt)
+
+    def cache_salt(self, authorization: str | None) -> str | None:
+        """The prefix-cache salt of a request with this Authorization header (None: shared cache)."""
+        if self.config.prefix_cache_salt != "api_key" or not authorization:
+            return None
+        return hashlib.sha256(authorization.encode()).hexdigest()[:32]
 
     # ---- GET ------------------------------------------------------------------------------------
     def model_card(self) -> dict:
@@ -84,7 +106,7 @@ class OpenAIAPI:
         return JSONResponse({"status": "ok", "model": self.info.name})
 
     # ---- POST -----------------------------------------------------------------------------------
-    async def completions(self, body: CompletionRequest) -> Response:
+    async def completions(self, body: CompletionRequest, salt: str | None = None) -> Response:
         self._check_model(body.model)
         body.validate_supported(self.config.max_n)
         prompts = body.prompts()
@@ -92,24 +114,29 @@ class OpenAIAPI:
         request_id = f"cmpl-{uuid.uuid4().hex}"
         requests, prompt_indexes = [], []
         for p, prompt in enumerate(prompts):
+            first = None
             for j in range(body.n):
-                params = body.sampling_params(self.info.max_model_len, j)
-                requests.append(GenerateRequest(f"{request_id}-{p}-{j}", prompt=prompt, sampling_params=params))
+                params = body.sampling_params(j, self.info.generation_defaults)
+                request = GenerateRequest(f"{request_id}-{p}-{j}", prompt=prompt, sampling_params=params, user=body.user)
+                first = self._prepare(request, salt) if first is None else first
+                requests.append(dataclasses.replace(request, prompt_token_ids=first.prompt_token_ids, cache_salt=salt))
                 prompt_indexes.append(p)
-        builder = ResponseBuilder("completion", request_id, self.info.name, body.include_usage)
+        builder = ResponseBuilder("completion", request_id, self.info.name, body.include_usage, body.continuous_usage)
         return await self._generate(builder, requests, prompt_indexes, body.stream, {})
 
-    async def chat_completions(self, body: ChatCompletionRequest) -> Response:
+    async def chat_completions(self, body: ChatCompletionRequest, salt: str | None = None) -> Response:
         self._check_model(body.model)
         body.validate_supported(self.config.max_n)
         self._check_fan_out(1, body.n)
         messages = body.engine_messages()
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        first = self._prepare(GenerateRequest(request_id, messages=messages), salt)
         requests = [
-            GenerateRequest(f"{request_id}-0-{j}", messages=messages, sampling_params=body.sampling_params(self.info.max_model_len, j))
+            GenerateRequest(f"{request_id}-0-{j}", messages=messages, sampling_params=body.sampling_params(j, self.info.generation_defaults),
+                            prompt_token_ids=first.prompt_token_ids, cache_salt=salt, user=body.user)
             for j in range(body.n)
         ]
-        builder = ResponseBuilder("chat", request_id, self.info.name, body.include_usage)
+        builder = ResponseBuilder("chat", request_id, self.info.name, body.include_usage, body.continuous_usage)
         return await self._generate(builder, requests, [0] * body.n, body.stream, CHAT_PARAM_ALIASES)
 
     def _check_fan_out(self, num_prompts: int, n: int) -> None:
@@ -160,15 +187,25 @@ class OpenAIAPI:
     async def _events(self, builder: ResponseBuilder, choices: list[ChoiceState], firsts, pump: ChoicePump,
                       deadline: float, aliases: dict[str, str]) -> AsyncIterator[str]:
         loop = asyncio.get_running_loop()
+        keepalive_s = self.config.stream_keepalive_s
         try:
-            out = builder.opening_events(len(choices)) + "".join(builder.chunk_event(i, c) for i, c in enumerate(firsts))
+            out = builder.opening_events(len(choices)) + "".join(builder.chunk_event(i, c, choices) for i, c in enumerate(firsts))
             if out:
                 yield out
-            while (batch := await pump.next_batch(deadline - loop.time())) is not None:
+            while True:
+                try:  # wait for chunks at most keepalive_s at a time: an SSE comment keeps idle proxies from cutting a queued stream
+                    batch = await pump.next_batch(min(keepalive_s, deadline - loop.time()))
+                except TimeoutError:
+                    if loop.time() >= deadline:
+                        raise
+                    yield KEEPALIVE_EVENT
+                    continue
+                if batch is None:
+                    break
                 parts = []
                 for index, chunk in batch:
                     choices[index].add(chunk)
-                    parts.append(builder.chunk_event(index, chunk))
+                    parts.append(builder.chunk_event(index, chunk, choices))
                 if out := "".join(parts):
                     yield out
             yield builder.usage_event(choices) + DONE_EVENT
@@ -206,16 +243,16 @@ def build_fastapi_app(api: OpenAIAPI, api_key: str = "") -> FastAPI:
             return api.error(exc)
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest) -> Response:
+    async def completions(body: CompletionRequest, request: Request) -> Response:
         try:
-            return await api.completions(body)
+            return await api.completions(body, api.cache_salt(request.headers.get("authorization")))
         except Exception as exc:  # noqa: BLE001
             return api.error(exc)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest) -> Response:
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         try:
-            return await api.chat_completions(body)
+            return await api.chat_completions(body, api.cache_salt(request.headers.get("authorization")))
         except Exception as exc:  # noqa: BLE001
             return api.error(exc, CHAT_PARAM_ALIASES)
 

@@ -40,10 +40,16 @@ def request_router_config(config: ServeConfig) -> RequestRouterConfig:
     """The LLMServer router: `request_router_class` if set, else the `router` by name, with its kwargs."""
     router_class = config.request_router_class or ROUTER_CLASSES[config.router]
     kwargs: dict[str, Any] = {}
-    if router_class.replace(":", ".") == ROUTER_CLASSES["kv_aware"].replace(":", "."):
+    same = lambda name: router_class.replace(":", ".") == ROUTER_CLASSES[name].replace(":", ".")  # noqa: E731
+    if same("kv_aware") or same("prefix_aware"):
         kwargs = {"model_name": config.model_name, "block_size": config.kv_block_size,
-                  "stats_period_s": config.request_routing_stats_period_s, **dict(config.router_kwargs)}
-    elif router_class.replace(":", ".") == ROUTER_CLASSES["round_robin"].replace(":", "."):
+                  "stats_period_s": config.request_routing_stats_period_s,
+                  # no request outlives its timeout: a ledger entry older than that lost its completion
+                  "confirmed_ttl_s": config.request_timeout_s + 60.0}
+        if same("prefix_aware") and config.backend == "native":
+            kwargs["step_token_budget"] = config.engine_config().scheduler.max_num_batched_tokens
+        kwargs.update(dict(config.router_kwargs))
+    elif same("round_robin"):
         kwargs = {"model_name": config.model_name}
     return RequestRouterConfig(request_router_class=router_class, request_router_kwargs=kwargs,
                                request_routing_stats_period_s=config.request_routing_stats_period_s)

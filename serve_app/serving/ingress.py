@@ -2,7 +2,9 @@
 
 The FastAPI app is built per replica (`__serve_build_asgi_app__`) from the `ServeConfig`, so nothing
 lives in module globals. The constructor waits until an LLMServer replica answers `model_info()`,
-so a RUNNING ingress means the API can serve; it then logs the URL clients use.
+so a RUNNING ingress means the API can serve; it then logs the URL clients use. With
+`tokenize_in_ingress` it loads the model's tokenizer through the engine's own `InputProcessor`, and
+prompts are tokenized here, once (the router hashes those ids; replicas do not tokenize again).
 
 The API key is read here, in the replica's own process, from the environment variable the config
 names (`api_key_env`): it never travels as a deployment argument, which Serve would keep in its
@@ -11,8 +13,10 @@ controller state and show on its dashboard.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+from pathlib import Path
 
 from fastapi import FastAPI
 from ray import serve
@@ -22,6 +26,17 @@ from serve_app.config import ServeConfig
 from serve_app.serving.api import OpenAIAPI, build_fastapi_app
 
 logger = logging.getLogger("ray.serve")
+
+
+def make_input_processor(config: ServeConfig, max_model_len: int):
+    """The engine's `InputProcessor` for the served model, or None (`tokenize_in_ingress` off, or no
+    tokenizer files: the replicas then tokenize)."""
+    if not config.tokenize_in_ingress or not (Path(config.model) / "tokenizer.json").is_file():
+        return None
+    from serve_app.engine.input_processor import InputProcessor  # loads transformers, in the replica only
+
+    vocab_size = int(json.loads((Path(config.model) / "config.json").read_text())["vocab_size"])
+    return InputProcessor(config.model, vocab_size, max_model_len, None)
 
 
 def api_key_from_env(variable: str) -> str:
@@ -38,7 +53,7 @@ class OpenAIIngress:
     async def __init__(self, llm: DeploymentHandle, config: ServeConfig) -> None:
         self._api_key = api_key_from_env(config.api_key_env)
         info = await llm.model_info.remote()
-        self.api = OpenAIAPI(llm, config, info)
+        self.api = OpenAIAPI(llm, config, info, make_input_processor(config, info.max_model_len))
         logger.info("OpenAI-compatible API ready: model %r (context %d tokens, backend %s)",
                     info.name, info.max_model_len, info.backend)
 

@@ -3,12 +3,13 @@
 Called only through a `DeploymentHandle` (from `OpenAIIngress`):
 - `generate(request)` (a streaming method: `handle.options(stream=True)`) yields `GenerationChunk`s,
   compact deltas made from the backend's `RequestOutput`s. Invalid input raises `ValueError`
-  ("field: ...") on the first item; cancelling the call (client disconnect) aborts the request in the
+  ("field: ...") on the first item; else the first item may be an empty chunk confirming admission; cancelling the call (client disconnect) aborts the request in the
   engine and frees its KV blocks.
 - `model_info()` → `ModelInfo` (served name, context length).
 - Ray Serve calls `record_routing_stats()` every `request_routing_stats_period_s` and hands the dict
   (`kv_cache_usage`, `num_free_blocks`, `num_total_blocks`, `num_waiting`, `num_running`,
-  `num_pending_prompt_tokens`, `sampled_at`)
+  `num_pending_prompt_tokens`, the step-cost fit, `sampled_at`, and the incremental prefix-cache
+  view `kv_*` of `serve_app.engine.kv_events`)
   to request routers (`serve_app.serving.router`); and `check_health()` every `health_check_period_s`: it raises once the engine loop died,
   or once the engine has had work pending and finished no step for `engine_stall_timeout_s` (a
   hung step), and Serve replaces the replica.
@@ -30,7 +31,6 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 from ray import serve
@@ -39,7 +39,10 @@ from serve_app.backends import Backend, BackendDeadError, ModelInfo, make_backen
 from serve_app.config import ServeConfig
 from serve_app.metrics.loggers import RayStatLogger
 from serve_app.serving.drain import shutdown_probe
-from serve_app.types import GenerateRequest, RequestOutput
+from serve_app.serving.stream_batching import GenerationChunk, batch_stream
+from serve_app.types import GenerateRequest
+
+__all__ = ["GenerationChunk", "LLMServer", "batch_stream"]
 
 logger = logging.getLogger("ray.serve")
 
@@ -47,46 +50,6 @@ logger = logging.getLogger("ray.serve")
 # Serve kills the replica
 ABORT_GRACE_S = 5.0
 DRAIN_POLL_S = 0.25
-
-
-@dataclass(frozen=True)
-class GenerationChunk:
-    """What crosses the replica → ingress hop for each delta (no prompt ids, no metrics objects)."""
-
-    text: str
-    token_ids: tuple[int, ...]
-    finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort" on the last chunk
-    num_prompt_tokens: int
-
-    @classmethod
-    def from_output(cls, out: RequestOutput) -> GenerationChunk:
-        reason = None if out.finish_reason is None else str(out.finish_reason)
-        return cls(out.text, tuple(out.token_ids), out.finished, reason, out.num_prompt_tokens)
-
-    def merge(self, later: GenerationChunk) -> GenerationChunk:
-        """This delta followed by a later one, as a single delta."""
-        return GenerationChunk(self.text + later.text, self.token_ids + later.token_ids, later.finished,
-                               later.finish_reason, later.num_prompt_tokens)
-
-
-async def batch_stream(outputs: AsyncIterator[RequestOutput], interval_s: float) -> AsyncIterator[GenerationChunk]:
-    """Deltas as chunks; with `interval_s` > 0, deltas arriving within `interval_s` of the previous
-    yield are merged into the next one. The first delta and the finish are yielded at once, so TTFT
-    and end-to-end latency are untouched; a held delta waits at most `interval_s` + one engine step."""
-    pending: GenerationChunk | None = None
-    last_yield = -float("inf")
-    first = True
-    async with contextlib.aclosing(outputs):  # leaving early closes the backend stream: abort, free KV
-        async for out in outputs:
-            chunk = GenerationChunk.from_output(out)
-            pending = chunk if pending is None else pending.merge(chunk)
-            now = time.monotonic()
-            if first or pending.finished or interval_s <= 0 or now - last_yield >= interval_s:
-                yield pending
-                pending, last_yield, first = None, now, False
-    if pending is not None:  # pragma: no cover - a backend stream always ends with a finished delta
-        yield pending
 
 
 def import_attr(path: str) -> Any:
@@ -168,7 +131,9 @@ class LLMServer:
         # `sampled_at` (this machine's wall clock) lets the router tell how old the sample is and which
         # of its requests the sample already includes; it also makes every sample differ, so Serve's
         # controller re-broadcasts each one (it only pushes changed stats)
-        return {**self.backend.routing_stats().as_dict(), "sampled_at": time.time()}
+        # the prefix-cache update (`kv_*` keys, serve_app.engine.kv_events) goes only here: it is
+        # incremental, and a probe calling `routing_stats()` must not consume a poll's delta
+        return {**self.backend.routing_stats().as_dict(), **self.backend.prefix_cache_update(), "sampled_at": time.time()}
 
     def check_health(self) -> None:
         self.backend.check_health()

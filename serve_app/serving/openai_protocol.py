@@ -2,11 +2,14 @@
 
 Requests are pydantic models: a missing or mistyped field is a 400 naming the field (see
 `errors.py`). Each request turns itself into engine `SamplingParams` with `sampling_params()`, whose
-own validation names the offending field too. Parameters this server does not implement (`logprobs`,
-tools, `echo`, penalties, ...) are rejected with a 400 that names them instead of being silently
-ignored; unknown parameters are rejected like OpenAI does.
+own validation names the offending field too. Parameters this server does not implement (tools,
+JSON mode, `logit_bias`, `echo`, `best_of` != n, `suffix`) are rejected with a 400 that names them
+instead of being silently ignored; unknown parameters (also inside a message) are rejected like
+OpenAI does. Sampling fields a request leaves out take the checkpoint's generation_config.json
+defaults (`GenerationDefaults`), then OpenAI's.
 
-Extensions beyond OpenAI's API: `top_k` (0 or -1: off) and `ignore_eos` (benchmarks).
+Extensions beyond OpenAI's API (vLLM's names): `top_k` (0 or -1: off), `repetition_penalty`,
+`min_tokens`, `stop_token_ids`, `ignore_eos` (benchmarks). docs/openai-api.md lists them all.
 """
 
 from __future__ import annotations
@@ -15,7 +18,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from serve_app.generation_config import GenerationDefaults
 from serve_app.types import SamplingParams
+
+MAX_TEMPERATURE = 2.0  # OpenAI's limit
 
 # ---- errors --------------------------------------------------------------------------------------
 
@@ -52,7 +58,7 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = False
-    continuous_usage_stats: bool = False  # accepted (vLLM clients send it), usage only at the end
+    continuous_usage_stats: bool = False  # vLLM's: usage so far in every chunk (with include_usage)
 
 
 class _SamplingFields(_Request):
@@ -67,6 +73,9 @@ class _SamplingFields(_Request):
     seed: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # extension
+    min_tokens: int = 0  # extension
+    stop_token_ids: list[int] | None = None  # extension
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     ignore_eos: bool = False  # extension
@@ -79,33 +88,42 @@ class _SamplingFields(_Request):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and self.stream_options.continuous_usage_stats
+
     def _check_common(self, max_n: int) -> None:
         if not 1 <= self.n <= max_n:
             raise UnsupportedParameterError("n", f"must be between 1 and {max_n}, got {self.n}")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only allowed when stream is true")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise UnsupportedParameterError(name, "is not supported by this server (use 0 or leave it out)")
+        if self.temperature is not None and self.temperature > MAX_TEMPERATURE:
+            raise ValueError(f"temperature: must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature!r}")
         if self.logit_bias:
             raise UnsupportedParameterError("logit_bias", "is not supported by this server")
 
-    def _sampling_params(self, max_tokens: int | None, max_model_len: int, choice_index: int) -> SamplingParams:
-        """`max_tokens` None means: until EOS or the end of the context."""
-        if max_tokens is not None and isinstance(max_tokens, int) and max_tokens > max_model_len:
-            raise ValueError(f"max_tokens: {max_tokens} exceeds the model's context length of {max_model_len} tokens")
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None, choice_index: int,
+                         defaults: GenerationDefaults | None) -> SamplingParams:
+        """`max_tokens` None: until EOS or the end of the context (the engine knows the room left)."""
+        defaults = defaults or GenerationDefaults()
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         seed = self.seed
         if seed is not None and self.n > 1:  # distinct, still reproducible samples per choice
             seed += choice_index
         return SamplingParams(
-            max_tokens=max_model_len if max_tokens is None else max_tokens,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=0 if self.top_k is None else self.top_k,
+            max_tokens=max_tokens,
+            temperature=defaults.sampling_value("temperature", self.temperature, 1.0),
+            top_p=defaults.sampling_value("top_p", self.top_p, 1.0),
+            top_k=defaults.sampling_value("top_k", self.top_k, 0),
+            repetition_penalty=defaults.sampling_value("repetition_penalty", self.repetition_penalty, 1.0),
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            min_tokens=self.min_tokens,
             seed=seed,
             stop=stop,
+            stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
         )
 
 
@@ -135,8 +153,6 @@ class CompletionRequest(_SamplingFields):
 
     def validate_supported(self, max_n: int) -> None:
         self._check_common(max_n)
-        if self.logprobs is not None:
-            raise UnsupportedParameterError("logprobs", "is not supported by this server")
         if self.echo:
             raise UnsupportedParameterError("echo", "is not supported by this server")
         if self.best_of is not None and self.best_of != self.n:
@@ -144,8 +160,8 @@ class CompletionRequest(_SamplingFields):
         if self.suffix:
             raise UnsupportedParameterError("suffix", "is not supported by this server")
 
-    def sampling_params(self, max_model_len: int, choice_index: int = 0) -> SamplingParams:
-        return self._sampling_params(self.max_tokens, max_model_len, choice_index)
+    def sampling_params(self, choice_index: int = 0, defaults: GenerationDefaults | None = None) -> SamplingParams:
+        return self._sampling_params(self.max_tokens, self.logprobs, choice_index, defaults)
 
 
 class TextPart(_Request):
@@ -153,18 +169,24 @@ class TextPart(_Request):
     text: str
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)  # name, refusal, ... do not change the prompt
+class ChatMessage(_Request):
+    """One chat message; an unknown field (a typo) is a 400 naming it, as at OpenAI."""
 
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[dict[str, Any]] | None = None
+    name: str | None = None  # handed to the chat template, which may use it
+    refusal: str | None = None  # an earlier assistant refusal: only null is accepted (it has no template slot)
     tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    function_call: dict[str, Any] | None = None
 
     def to_engine(self, index: int) -> dict[str, str]:
-        """The message as the chat template sees it: {"role", "content"} with string content."""
+        """The message as the chat template sees it: {"role", "content"[, "name"]} with string content."""
         where = f"messages.{index}"
-        if self.role in ("tool", "function") or self.tool_calls:
+        if self.role in ("tool", "function") or self.tool_calls or self.tool_call_id or self.function_call:
             raise UnsupportedParameterError(where, "tool and function messages are not supported by this server")
+        if self.refusal is not None:
+            raise UnsupportedParameterError(f"{where}.refusal", "is not supported by this server (send the refusal as content)")
         content = self.content
         if isinstance(content, list):
             texts = []
@@ -177,7 +199,10 @@ class ChatMessage(BaseModel):
             if self.role != "assistant":
                 raise ValueError(f"{where}.content: is required for role {self.role!r}")
             content = ""
-        return {"role": "system" if self.role == "developer" else self.role, "content": content}
+        message = {"role": "system" if self.role == "developer" else self.role, "content": content}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -200,8 +225,10 @@ class ChatCompletionRequest(_SamplingFields):
 
     def validate_supported(self, max_n: int) -> None:
         self._check_common(max_n)
-        if self.logprobs or self.top_logprobs is not None:
-            raise UnsupportedParameterError("logprobs" if self.logprobs else "top_logprobs", "is not supported by this server")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs: requires logprobs to be true")
+        if self.parallel_tool_calls is not None:
+            raise UnsupportedParameterError("parallel_tool_calls", "tool calling is not supported by this server")
         if self.tools or self.functions:
             raise UnsupportedParameterError("tools" if self.tools else "functions", "tool calling is not supported by this server")
         if self.tool_choice not in (None, "none") or self.function_call not in (None, "none"):
@@ -209,6 +236,7 @@ class ChatCompletionRequest(_SamplingFields):
         if self.response_format is not None and self.response_format.get("type") != "text":
             raise UnsupportedParameterError("response_format", "only {'type': 'text'} is supported by this server")
 
-    def sampling_params(self, max_model_len: int, choice_index: int = 0) -> SamplingParams:
+    def sampling_params(self, choice_index: int = 0, defaults: GenerationDefaults | None = None) -> SamplingParams:
         limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return self._sampling_params(limit, max_model_len, choice_index)
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self._sampling_params(limit, logprobs, choice_index, defaults)

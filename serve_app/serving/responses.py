@@ -8,7 +8,12 @@ Shapes (what the official `openai` client parses):
 - stream events: `data: <chunk JSON>\n\n` with object "text_completion" / "chat.completion.chunk";
   chat streams open each choice with a `{"role": "assistant", "content": ""}` delta; the last chunk of
   a choice carries its `finish_reason`; with `stream_options.include_usage` every chunk has
-  `"usage": null` and a final chunk with `"choices": []` carries the usage; then `data: [DONE]`.
+  `"usage": null` (with `continuous_usage_stats`, vLLM's extension: the usage so far) and a final
+  chunk with `"choices": []` carries the usage; then `data: [DONE]`.
+- logprobs (when requested, else null): completions use the legacy shape {"tokens", "token_logprobs",
+  "top_logprobs": [{token: logprob}], "text_offset"}; chat {"content": [{"token", "logprob", "bytes",
+  "top_logprobs": [{"token", "logprob", "bytes"}]}], "refusal": null}. JSON has no -infinity: a
+  log-probability below -9999 is sent as -9999 (as vLLM does).
 """
 
 from __future__ import annotations
@@ -16,12 +21,36 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from serve_app.serving.llm_server import GenerationChunk
+from serve_app.types import TokenLogprob
 
 Kind = Literal["completion", "chat"]
 DONE_EVENT = "data: [DONE]\n\n"
+KEEPALIVE_EVENT = ": keep-alive\n\n"  # an SSE comment: clients ignore it, proxies see traffic
+LOGPROB_FLOOR = -9999.0
+
+
+def _lp(value: float) -> float:
+    return max(value, LOGPROB_FLOOR)
+
+
+def completion_logprobs(items: tuple[TokenLogprob, ...] | list[TokenLogprob], text_offset: int) -> dict:
+    offsets, offset = [], text_offset
+    for item in items:
+        offsets.append(offset)
+        offset += len(item.token)
+    return {"tokens": [i.token for i in items], "token_logprobs": [_lp(i.logprob) for i in items],
+            "top_logprobs": [{t: _lp(v) for _, t, v in i.top} for i in items], "text_offset": offsets}
+
+
+def chat_logprobs(items: tuple[TokenLogprob, ...] | list[TokenLogprob]) -> dict:
+    def entry(token: str, logprob: float) -> dict:
+        return {"token": token, "logprob": _lp(logprob), "bytes": list(token.encode("utf-8"))}
+
+    return {"content": [{**entry(i.token, i.logprob), "top_logprobs": [entry(t, v) for _, t, v in i.top]} for i in items],
+            "refusal": None}
 
 
 @dataclass
@@ -32,53 +61,83 @@ class ChoiceState:
     parts: list[str] = field(default_factory=list)
     num_tokens: int = 0
     num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
     finish_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None  # a list once a chunk carried logprobs
+    num_chars: int = 0
+    last_offset: int = 0  # text offset of the last chunk added
 
     def add(self, chunk: GenerationChunk) -> None:
+        self.last_offset = self.num_chars
+        self.num_chars += len(chunk.text)
+        if chunk.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + list(chunk.logprobs)
         if chunk.text:
             self.parts.append(chunk.text)
         self.num_tokens += len(chunk.token_ids)
         self.num_prompt_tokens = chunk.num_prompt_tokens
         if chunk.finished:
             self.finish_reason = chunk.finish_reason
+            self.num_cached_tokens = chunk.num_cached_tokens
 
     @property
     def text(self) -> str:
         return "".join(self.parts)
 
 
-def usage(choices: list[ChoiceState]) -> dict[str, int]:
-    """Prompt tokens count once per prompt (not once per choice of `n`), as OpenAI does."""
+def usage(choices: list[ChoiceState]) -> dict[str, Any]:
+    """Prompt tokens count once per prompt (not once per choice of `n`), as OpenAI does; so do the
+    prompt tokens served from the prefix cache (`prompt_tokens_details.cached_tokens`, OpenAI's field)."""
     prompt = {c.prompt_index: c.num_prompt_tokens for c in choices}
+    cached = {c.prompt_index: c.num_cached_tokens for c in choices}
     prompt_tokens = sum(prompt.values())
     completion_tokens = sum(c.num_tokens for c in choices)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": sum(cached.values())}}
 
 
 class ResponseBuilder:
-    def __init__(self, kind: Kind, request_id: str, model: str, include_usage: bool = False) -> None:
+    def __init__(self, kind: Kind, request_id: str, model: str, include_usage: bool = False,
+                 continuous_usage: bool = False) -> None:
         self.kind = kind
         self.request_id = request_id
         self.model = model
         self.created = int(time.time())
         self.include_usage = include_usage
+        self.continuous_usage = continuous_usage
         self._chunk_object = "text_completion" if kind == "completion" else "chat.completion.chunk"
+        # a delta's event is this request's fixed JSON around two encoded values (text, finish reason):
+        # `_event`'s output, byte for byte, without building and encoding the whole body per delta
+        head = json.dumps({"id": request_id, "object": self._chunk_object, "created": self.created, "model": model},
+                          ensure_ascii=False)[:-1]
+        text_key = '"text": ' if kind == "completion" else '"delta": {"content": '
+        self._delta_head = f'data: {head}, "choices": [{{"index": '
+        self._delta_text = f", {text_key}"
+        self._delta_tail = ("" if kind == "completion" else "}") + ', "logprobs": null, "finish_reason": '
+        self._event_tail = ']' + (', "usage": null' if include_usage else "") + "}\n\n"
 
     # ---- non-streamed ----------------------------------------------------------------------------
     def full(self, choices: list[ChoiceState]) -> dict:
         if self.kind == "completion":
             body_choices = [
-                {"index": i, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason} for i, c in enumerate(choices)
+                {"index": i, "text": c.text, "logprobs": self._logprobs(c.logprobs, 0), "finish_reason": c.finish_reason}
+                for i, c in enumerate(choices)
             ]
             obj = "text_completion"
         else:
             body_choices = [
-                {"index": i, "message": {"role": "assistant", "content": c.text}, "logprobs": None, "finish_reason": c.finish_reason}
+                {"index": i, "message": {"role": "assistant", "content": c.text}, "logprobs": self._logprobs(c.logprobs, 0),
+                 "finish_reason": c.finish_reason}
                 for i, c in enumerate(choices)
             ]
             obj = "chat.completion"
         return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model,
                 "choices": body_choices, "usage": usage(choices)}
+
+    def _logprobs(self, items: list[TokenLogprob] | tuple[TokenLogprob, ...] | None, text_offset: int) -> dict | None:
+        if items is None:
+            return None
+        return completion_logprobs(items, text_offset) if self.kind == "completion" else chat_logprobs(items)
 
     # ---- streamed --------------------------------------------------------------------------------
     def _event(self, choices: list[dict], usage_value: dict | None = None, final_usage: bool = False) -> str:
@@ -97,17 +156,23 @@ class ResponseBuilder:
             for i in range(num_choices)
         )
 
-    def chunk_event(self, index: int, chunk: GenerationChunk) -> str:
-        """One event for one delta ("" when it carries neither text nor the finish)."""
+    def chunk_event(self, index: int, chunk: GenerationChunk, choices: list[ChoiceState]) -> str:
+        """One event for one delta already added to `choices[index]` ("" when it carries neither
+        text, logprobs nor the finish)."""
         reason = chunk.finish_reason if chunk.finished else None
-        if not chunk.text and reason is None:
+        if not chunk.text and reason is None and not chunk.logprobs:
             return ""
+        if chunk.text and not chunk.logprobs and not self.continuous_usage:
+            # the common case: the template (chat: a finish without text has an empty delta)
+            return (f"{self._delta_head}{index}{self._delta_text}{json.dumps(chunk.text, ensure_ascii=False)}"
+                    f"{self._delta_tail}{'null' if reason is None else json.dumps(reason)}}}{self._event_tail}")
+        logprobs = self._logprobs(chunk.logprobs, choices[index].last_offset)
         if self.kind == "completion":
-            choice = {"index": index, "text": chunk.text, "logprobs": None, "finish_reason": reason}
+            choice = {"index": index, "text": chunk.text, "logprobs": logprobs, "finish_reason": reason}
         else:
             delta = {"content": chunk.text} if chunk.text else {}
-            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
-        return self._event([choice])
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+        return self._event([choice], usage(choices) if self.continuous_usage else None, final_usage=self.continuous_usage)
 
     def usage_event(self, choices: list[ChoiceState]) -> str:
         return self._event([], usage(choices), final_usage=True) if self.include_usage else ""

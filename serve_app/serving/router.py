@@ -155,7 +155,7 @@ class KVCacheAwareRouter(FIFOMixin, RequestRouter):
         if not candidate_replicas:
             return []
         now = self._get_curr_time_s()
-        self.ledger.expire(now, self.settings.reservation_ttl_s)
+        self.ledger.expire(now, self.settings.reservation_ttl_s, self.settings.confirmed_ttl_s)
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         ranked, mode = rank_replicas([self._view(r, now) for r in candidate_replicas], self.settings, self._rng)
         self.num_decisions[mode] += 1

@@ -1,7 +1,7 @@
 """KV-cache-aware routing policy, free of Ray: settings, request-size estimates, in-flight ledger, ranking.
 
 `serve_app.serving.router.KVCacheAwareRouter` is the Ray Serve adapter around these pieces
-(DESIGN.md §6); keeping them here makes every decision testable without a cluster.
+(docs/routing.md); keeping them here makes every decision testable without a cluster.
 
 Estimated occupancy of a replica (fraction of its KV blocks, may exceed 1 when demand exceeds room):
 
@@ -58,6 +58,7 @@ from typing import Any
 
 # The routers `ServeConfig.router` selects (import paths, so this module needs no Ray import).
 ROUTER_CLASSES: dict[str, str] = {
+    "prefix_aware": "serve_app.serving.prefix_router:PrefixAwareRouter",
     "kv_aware": "serve_app.serving.router:KVCacheAwareRouter",
     "round_robin": "serve_app.serving.router:RoundRobinRouter",
     "pow2": "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter",  # Serve's default
@@ -89,18 +90,33 @@ class KVRouterSettings:
     stats_period_s: float = 0.5  # the deployment's request_routing_stats_period_s
     sample_lag_s: float = 1.0  # a request routed this long before a sample may still be missing from it
     reservation_ttl_s: float = 60.0  # drop a choice Serve never confirmed (routed / completed) after this
+    # drop a confirmed request whose completion was never reported after this (a lost callback must
+    # not make a replica look full forever); the app sets it from request_timeout_s
+    confirmed_ttl_s: float = 900.0
+    # prefix-aware router (prefix_policy): predicted time to first token, in seconds
+    step_token_budget: int = 512  # tokens per engine step (the engine's max_num_batched_tokens)
+    default_prefill_s_per_token: float = 0.001  # until a replica publishes its own step-cost fit
+    default_decode_s_per_token: float = 0.001
+    default_step_fixed_s: float = 0.02
+    max_occupancy: float = 1.0  # a projection above this forces preemption: only if no replica has room
+    ttft_tie_tolerance_s: float = 0.01  # predicted TTFTs within ratio × best + this are ties (user, cached, affinity)
+    ttft_tie_ratio: float = 0.1
+    affinity_blocks: int = 4  # ties go by a rendezvous hash of the prompt's first this many blocks
     metrics: str = "ray"  # "ray" (ray.serve.metrics), "prometheus" (own registry, for tests) or "none"
     seed: int | None = None  # random tie-break among equal replicas
 
     def __post_init__(self) -> None:
         _require(isinstance(self.block_size, int) and self.block_size >= 1, "block_size", "must be an integer >= 1")
         for name in ("prompt_weight", "output_weight", "waiting_weight", "prefill_weight", "tie_tolerance", "sample_lag_s",
-                     "max_stats_age_s"):
+                     "max_stats_age_s", "default_prefill_s_per_token", "default_decode_s_per_token", "default_step_fixed_s",
+                     "ttft_tie_tolerance_s", "ttft_tie_ratio"):
             value = getattr(self, name)
             _require(isinstance(value, int | float) and value >= 0 and math.isfinite(value), name, "must be a finite number >= 0")
         _require(isinstance(self.max_expected_output_tokens, int) and self.max_expected_output_tokens >= 0,
                  "max_expected_output_tokens", "must be an integer >= 0")
-        for name in ("chars_per_token", "stats_period_s", "reservation_ttl_s"):
+        for name in ("step_token_budget", "affinity_blocks"):
+            _require(isinstance(getattr(self, name), int) and getattr(self, name) >= 1, name, "must be an integer >= 1")
+        for name in ("chars_per_token", "stats_period_s", "reservation_ttl_s", "confirmed_ttl_s", "max_occupancy"):
             value = getattr(self, name)
             _require(isinstance(value, int | float) and value > 0, name, "must be > 0")
         _require(self.metrics in ("ray", "prometheus", "none"), "metrics", "must be 'ray', 'prometheus' or 'none'")
@@ -123,9 +139,13 @@ class KVRouterSettings:
 def estimate_prompt_tokens(request: Any, chars_per_token: float = 4.0) -> int:
     """Prompt length of a `GenerateRequest`-like object (`prompt` text / token ids, or chat `messages`).
 
-    Token ids are counted exactly; text is estimated from its length (the router does not tokenize).
+    Token ids (`prompt_token_ids` from the ingress, or a token prompt) are counted exactly; text is
+    estimated from its length.
     Anything else (e.g. a `model_info()` call's empty arguments) is 0.
     """
+    token_ids = getattr(request, "prompt_token_ids", None)
+    if token_ids is not None:  # tokenized by the ingress
+        return len(token_ids)
     prompt = getattr(request, "prompt", None)
     messages = getattr(request, "messages", None)
     if isinstance(prompt, list | tuple):
@@ -150,8 +170,10 @@ def estimate_request_blocks(request: Any, settings: KVRouterSettings) -> int:
     if prompt_tokens == 0:
         return 0
     params = getattr(request, "sampling_params", None)
-    max_tokens = getattr(params, "max_tokens", 0) or 0
-    output_tokens = min(int(max_tokens), settings.max_expected_output_tokens)
+    max_tokens = getattr(params, "max_tokens", 0)
+    if max_tokens is None:  # until the end of the context (chat without max_tokens)
+        max_tokens = settings.max_expected_output_tokens
+    output_tokens = min(int(max_tokens or 0), settings.max_expected_output_tokens)
     tokens = settings.prompt_weight * prompt_tokens + settings.output_weight * output_tokens
     return max(1, math.ceil(tokens / settings.block_size))
 
@@ -176,6 +198,10 @@ class ReplicaSample:
     num_running: int
     sampled_at: float | None  # replica wall clock (time.time()) when taken; None if not published
     num_pending_prompt_tokens: int = 0  # prompt tokens not yet computed (0 if not published)
+    # the replica's step-cost fit (serve_app.engine.step_cost); 0 when not published yet
+    step_fixed_s: float = 0.0
+    prefill_s_per_token: float = 0.0
+    decode_s_per_token: float = 0.0
 
     @property
     def num_used_blocks(self) -> int:
@@ -192,7 +218,9 @@ class ReplicaSample:
             free = int(stats.get("num_free_blocks", round(total * (1.0 - usage))))
             sampled_at = stats.get("sampled_at")
             return cls(usage, free, total, int(stats.get("num_waiting", 0)), int(stats.get("num_running", 0)),
-                       None if sampled_at is None else float(sampled_at), int(stats.get("num_pending_prompt_tokens", 0)))
+                       None if sampled_at is None else float(sampled_at), int(stats.get("num_pending_prompt_tokens", 0)),
+                       float(stats.get("step_fixed_s", 0.0)), float(stats.get("prefill_s_per_token", 0.0)),
+                       float(stats.get("decode_s_per_token", 0.0)))
         except (KeyError, TypeError, ValueError):
             return None
 
@@ -262,10 +290,16 @@ class InFlightLedger:
         self._unplace(entry)
         return True
 
-    def expire(self, now: float, ttl_s: float) -> int:
-        """Drop unconfirmed choices whose routing was cancelled or that Serve never followed up."""
-        stale = [e for e in self.entries.values() if not e.confirmed and (
-            now - e.routed_at > ttl_s or _cancelled(e.pending))]
+    def expire(self, now: float, ttl_s: float, confirmed_ttl_s: float = math.inf) -> int:
+        """Drop unconfirmed choices whose routing was cancelled or that Serve never followed up, and
+        confirmed requests older than `confirmed_ttl_s` (their completion callback was lost: no
+        request outlives the request timeout)."""
+        def is_stale(e: LedgerEntry) -> bool:
+            if e.confirmed:
+                return now - e.routed_at > confirmed_ttl_s
+            return now - e.routed_at > ttl_s or _cancelled(e.pending)
+
+        stale = [e for e in self.entries.values() if is_stale(e)]
         for e in stale:
             self._unplace(e)
         return len(stale)

@@ -1,8 +1,9 @@
 """Ingress-side request streams: one `ChoiceStream` per choice, merged by a `ChoicePump`.
 
 - `ChoiceStream.start()` sends one `GenerateRequest` to an LLMServer replica and waits for its first
-  chunk, so that invalid input (raised by the engine on the first item), backpressure and an
-  unavailable replica surface *before* the HTTP status is sent. A replica (or its engine) that dies
+  chunk (the replica's admission chunk, before any token), so that invalid input (raised by the
+  engine on the first item), backpressure and an unavailable replica surface *before* the HTTP status
+  is sent, and a stream's headers need not wait for the first token. A replica (or its engine) that dies
   before the first chunk is retried on another replica (`retries` times): nothing reached the client.
 - `ChoicePump` drains the remaining chunks of every choice in one background task into a queue, so
   the HTTP handler can wait on it with a deadline (cancelling a queue read is always safe) and a

@@ -55,7 +55,7 @@ def test_same_in_every_process() -> None:
 
 def test_block_manager_keys_its_cache_by_these_hashes() -> None:
     bm = BlockManager(num_blocks=8, block_size=4)
-    req = Request("r", list(TOKENS), SamplingParams(max_tokens=1), eos_token_id=None, arrival_time=0.0)
+    req = Request("r", list(TOKENS), SamplingParams(max_tokens=1), eos_token_ids=None, arrival_time=0.0)
     assert bm.allocate_slots(req, len(TOKENS))
     req.num_computed_tokens = len(TOKENS)
     bm.cache_full_blocks(req)

@@ -106,7 +106,7 @@ def native_greedy(dtype: str, prompts: list[list[int]], max_tokens: int, **engin
     from serve_app.engine import LLM, SamplingParams
 
     llm = LLM(str(MODEL_DIR), dtype=dtype, device=DEVICE, **{"kv_cache_memory_gib": 0.25, **engine_kwargs})
-    eos = llm.engine.core.eos_token_id
+    (eos,) = llm.engine.input_processor.eos_token_ids
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens))
     return llm, [_strip_eos(o.token_ids, eos) for o in outs], outs
 

@@ -4,7 +4,7 @@ are recorded, in Locust's statistics and in the per-request records; then the re
 summarizes the run. A wrong key makes every request fail, counted as such, with exit status 1.
 
 Locust runs as its own process (the `locust` CLI): it monkey-patches with gevent, which breaks ssl in a
-process that already imported Ray (DESIGN §2), so this test process never imports it.
+process that already imported Ray, so this test process never imports it.
 """
 
 from __future__ import annotations

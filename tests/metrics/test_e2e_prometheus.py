@@ -55,7 +55,7 @@ def served(model_dir):
         "torch_num_threads": 1,  # a shared 2-core machine: one thread per replica
         "max_ongoing_requests": 32, "request_routing_stats_period_s": 0.5, "health_check_period_s": 2.0,
         "api_key_env": "", "engine": {"dtype": "float32", "num_blocks": 128, "max_num_seqs": 16},
-        "router": "kv_aware",  # KVCacheAwareRouter records the router metrics (RouterMetrics.for_ray)
+        "router": "prefix_aware",  # records the router metrics (RouterMetrics.for_ray), the routing row's included
     }
     started = time.monotonic()
     with local_stack.ray_instance(metrics_report_interval_ms=1000, namespace="metrics-e2e") as instance:

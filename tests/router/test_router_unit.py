@@ -4,6 +4,7 @@ fallback, in-flight accounting (no herding between two samples), Serve's routing
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 
 import pytest
@@ -45,6 +46,8 @@ def test_block_estimates_and_weights():
     # chat requests default max_tokens to the whole context: the expected output is capped
     capped = KVRouterSettings(block_size=16, max_expected_output_tokens=64)
     assert estimate_request_blocks(gen_request("r", 32, 8000), capped) == (32 + 64) // 16
+    until_context = dataclasses.replace(gen_request("r", 32, 8), sampling_params=SamplingParams(max_tokens=None))
+    assert estimate_request_blocks(until_context, capped) == (32 + 64) // 16  # chat without max_tokens
     half = KVRouterSettings(block_size=16, output_weight=0.5, prompt_weight=1.0)
     assert estimate_request_blocks(gen_request("r", 32, 64), half) == 4
     assert estimate_request_blocks(None, s) == 0
@@ -485,10 +488,14 @@ def test_round_robin_rotates_and_passes_a_full_turn_on():
 # ---- configuration ------------------------------------------------------------------------------------
 def test_router_selection_by_config():
     model = "models/whatever"
-    kv = request_router_config(ServeConfig(model=model, router_kwargs={"waiting_weight": 0.5}))
+    kv = request_router_config(ServeConfig(model=model, router="kv_aware", router_kwargs={"waiting_weight": 0.5}))
     assert kv.request_router_class == ROUTER_CLASSES["kv_aware"]
     assert kv.request_router_kwargs == {"model_name": "whatever", "block_size": 16, "stats_period_s": 0.5,
-                                        "waiting_weight": 0.5}
+                                        "confirmed_ttl_s": 660.0, "waiting_weight": 0.5}
+    # the default: the prefix-aware router, with the engine's step budget
+    prefix = request_router_config(ServeConfig(model=model))
+    assert prefix.request_router_class == ROUTER_CLASSES["prefix_aware"]
+    assert prefix.request_router_kwargs["step_token_budget"] == 2048
     assert kv.request_routing_stats_period_s == 0.5
     rr = request_router_config(ServeConfig(model=model, router="round_robin"))
     assert rr.request_router_class == ROUTER_CLASSES["round_robin"] and rr.request_router_kwargs == {"model_name": "whatever"}

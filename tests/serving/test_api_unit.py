@@ -135,7 +135,8 @@ def test_happy_path_shapes():
             r = await c.post("/v1/chat/completions", json=CHAT)
             body = r.json()
             assert body["choices"][0]["message"] == {"role": "assistant", "content": "Hello world!"}
-            assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+            assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6,
+                                     "prompt_tokens_details": {"cached_tokens": 0}}
             r = await c.post("/v1/chat/completions", json={**CHAT, "stream": True})
             payloads = sse_payloads(r.text)
             assert payloads[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}

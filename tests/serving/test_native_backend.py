@@ -4,6 +4,7 @@ streaming deltas, routing stats, abort on early exit, input errors, and engine d
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import time
 
@@ -26,6 +27,11 @@ async def collect(backend, request):
     return [out async for out in backend.generate(request)]
 
 
+def load(stats):
+    """The load fields of routing stats (without the step-cost fit, which changes as steps run)."""
+    return dataclasses.replace(stats, step_fixed_s=0.0, prefill_s_per_token=0.0, decode_s_per_token=0.0)
+
+
 def test_backend_streams_deltas_and_reports_load(model_dir):
     async def main():
         backend = make_backend(config(model_dir))
@@ -36,7 +42,8 @@ def test_backend_streams_deltas_and_reports_load(model_dir):
             assert idle.num_free_blocks == idle.num_total_blocks == NUM_BLOCKS
             assert idle.kv_cache_usage == 0.0 and idle.num_running == idle.num_waiting == 0
             assert set(idle.as_dict()) == {"kv_cache_usage", "num_free_blocks", "num_total_blocks", "num_waiting", "num_running",
-                                           "num_pending_prompt_tokens"}
+                                           "num_pending_prompt_tokens", "step_fixed_s", "prefill_s_per_token", "decode_s_per_token"}
+            assert idle.prefill_s_per_token == 0  # no step-cost fit before any step
             assert idle.num_pending_prompt_tokens == 0
             info = backend.model_info()
             assert info.name == "smollm2-135m-instruct" and info.max_model_len == NUM_BLOCKS * 16
@@ -50,7 +57,9 @@ def test_backend_streams_deltas_and_reports_load(model_dir):
             # leaving the iteration early aborts the request and frees its blocks
             stream = backend.generate(GenerateRequest("b", prompt="Tell me a long story.",
                                                       sampling_params=SamplingParams(max_tokens=500, ignore_eos=True)))
-            await stream.__anext__()
+            admitted = await stream.__anext__()  # validated and queued: no token yet
+            assert admitted.token_ids == () and not admitted.finished and admitted.num_prompt_tokens > 0
+            await stream.__anext__()  # the first token
             busy = backend.routing_stats()
             assert busy.num_free_blocks < NUM_BLOCKS and busy.num_running == 1 and busy.kv_cache_usage > 0
             assert busy.num_pending_prompt_tokens == 0  # it has its first token: decoding, nothing left to read
@@ -59,7 +68,7 @@ def test_backend_streams_deltas_and_reports_load(model_dir):
                 if backend.routing_stats().num_free_blocks == NUM_BLOCKS:
                     break
                 await asyncio.sleep(0.02)
-            assert backend.routing_stats() == idle
+            assert load(backend.routing_stats()) == idle
 
             # explicit abort of a running request
             task = asyncio.ensure_future(collect(backend, GenerateRequest("c", prompt="Count to a thousand.",
@@ -74,7 +83,10 @@ def test_backend_streams_deltas_and_reports_load(model_dir):
             # bad input: ValueError naming the field, nothing queued
             with pytest.raises(ValueError, match=r"^prompt:"):
                 await collect(backend, GenerateRequest("d", prompt="x " * (NUM_BLOCKS * 16 + 10)))
-            assert backend.routing_stats() == idle
+            assert load(backend.routing_stats()) == idle
+            # the replica's own step-cost fit is published once it has seen enough steps
+            fitted = backend.routing_stats()
+            assert fitted.prefill_s_per_token > 0 and fitted.decode_s_per_token > 0
             backend.check_health()
         finally:
             backend.shutdown()
@@ -99,6 +111,7 @@ def test_llm_server_replica_health_and_engine_death(model_dir):
         try:
             stats = server.record_routing_stats()
             assert stats["num_free_blocks"] == stats["num_total_blocks"] == NUM_BLOCKS
+            assert stats["kv_snapshot"] == [] and stats["kv_block_size"] == 16  # the first poll: a full (empty) snapshot
             assert server.model_info().max_model_len == NUM_BLOCKS * 16
             request = GenerateRequest("r1", messages=({"role": "user", "content": "What is the capital of France?"},),
                                       sampling_params=SamplingParams(temperature=0, max_tokens=16))
@@ -106,6 +119,12 @@ def test_llm_server_replica_health_and_engine_death(model_dir):
             assert all(isinstance(c, GenerationChunk) for c in chunks)
             assert "".join(c.text for c in chunks) == "The capital of France is Paris."
             assert chunks[-1].finished and chunks[-1].finish_reason == "stop" and chunks[-1].num_prompt_tokens > 10
+            # the next poll publishes the blocks the request cached, and what the engine found cached for it
+            update = server.record_routing_stats()
+            stored = [key for _, is_stored, key in update.get("kv_events", []) if is_stored] or update.get("kv_snapshot", [])
+            num_tokens = chunks[-1].num_prompt_tokens + sum(len(c.token_ids) for c in chunks)
+            assert chunks[-1].num_prompt_tokens // 16 <= len(stored) <= num_tokens // 16  # full blocks of prompt + output
+            assert update["cached_tokens"] == [("r1", 0, chunks[-1].num_prompt_tokens)]
             server.check_health()
 
             # the engine loop dies at its next step

@@ -100,7 +100,7 @@ def test_greedy_fp32_matches_native_engine_and_hf(loop, engine, model_dir):
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     expected_prompts = [list(tokenizer.apply_chat_template(list(r.messages), add_generation_prompt=True, return_dict=True)["input_ids"])
-                        for r in reqs if r.messages] + [tokenizer.encode(p, add_special_tokens=False) for p in TEXT_PROMPTS]
+                        for r in reqs if r.messages] + [tokenizer.encode(p) for p in TEXT_PROMPTS]
     assert prompts == expected_prompts  # the same prompt ids the native engine builds
 
     native = LLM(model_dir, dtype="float32", device="cpu", batching="continuous")
@@ -186,6 +186,44 @@ def test_streams_deltas_routing_stats_and_aborts(loop, engine):
 
     loop.run(main())
     backend.check_health()
+
+
+def test_request_options_match_the_native_engine(loop, engine, model_dir):
+    """logprobs, penalties, min_tokens and stop_token_ids mean the same on both backends (fp32 greedy:
+    the same tokens; log-probabilities of the same raw distribution)."""
+    from serve_app.engine import LLM
+
+    backend, _, _ = engine
+    native = LLM(model_dir, dtype="float32", device="cpu")
+    prompt = TEXT_PROMPTS[0]
+    plain = native.generate(prompt, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))[0].token_ids
+    cases = {
+        "logprobs": SamplingParams(temperature=0.0, max_tokens=16, logprobs=3),
+        "penalties": SamplingParams(temperature=0.0, max_tokens=16, repetition_penalty=1.3, presence_penalty=0.5,
+                                    frequency_penalty=0.5),
+        "stop-id": SamplingParams(temperature=0.0, max_tokens=16, stop_token_ids=(plain[2],)),
+        "min-tokens": SamplingParams(temperature=0.0, max_tokens=16, stop_token_ids=(plain[2],), min_tokens=8),
+    }
+
+    async def run_all():
+        return await asyncio.gather(*(collect(backend.generate(GenerateRequest(f"opt-{k}", prompt=prompt, sampling_params=p)))
+                                      for k, p in cases.items()))
+
+    results = dict(zip(cases, loop.run(run_all()), strict=True))
+    for name, params in cases.items():
+        ours = native.generate(prompt, params)[0]
+        outs = results[name]
+        theirs = [t for o in outs for t in o.token_ids]
+        assert theirs == list(ours.token_ids), name
+        if params.logprobs is not None:
+            lps = [lp for o in outs for lp in (o.logprobs or ())]
+            assert len(lps) == len(theirs)
+            for a, b in zip(lps, ours.logprobs, strict=True):
+                assert abs(a.logprob - b.logprob) < 1e-3 and [t for t, _, _ in a.top] == [t for t, _, _ in b.top]
+                assert a.token == b.token
+    assert len(results["stop-id"][-1].token_ids) >= 1 and sum(len(o.token_ids) for o in results["stop-id"]) <= 3
+    assert sum(len(o.token_ids) for o in results["min-tokens"]) >= 8
+    assert [t for o in results["penalties"] for t in o.token_ids] != list(plain)
 
 
 @pytest.mark.parametrize(("request_", "field"), [

@@ -44,6 +44,8 @@ class LlamaArgs:
             raise ValueError(f"model: architecture {archs} is not supported (supported: {SUPPORTED_ARCHITECTURES})")
         if cfg.get("hidden_act", "silu") != "silu":
             raise ValueError(f"model: hidden_act {cfg['hidden_act']!r} is not supported")
+        if cfg.get("mlp_bias"):
+            raise ValueError("model: mlp_bias is not supported")
         rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
         theta = rope.pop("rope_theta", cfg.get("rope_theta", 10000.0))
         rope_type = rope.get("rope_type", rope.get("type", "default"))

@@ -1,4 +1,13 @@
-"""Load an HF safetensors checkpoint (single file or sharded with an index) into `LlamaForCausalLM`."""
+"""Load an HF safetensors checkpoint (single file or sharded with an index) into `LlamaForCausalLM`.
+
+Strict: every checkpoint tensor must map onto a parameter of the model as configured, and every
+parameter must be filled. A tensor the model would ignore (an `o_proj.bias`, MLP biases, an
+`lm_head` that differs from the tied embedding) means the checkpoint computes something this model
+does not, so loading it would produce wrong text: it is refused with a ValueError instead.
+The model is built directly in its target dtype on its target device (on the meta device first,
+so no fp32 copy is ever allocated); each checkpoint tensor is read from the memory-mapped file and
+copied into place.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +22,8 @@ from safetensors import safe_open
 from serve_app.engine.models.llama import LlamaArgs, LlamaForCausalLM
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+# buffers some checkpoints carry that hold nothing the model needs (recomputed from the config)
+_IGNORED = re.compile(r".*rotary_emb\.inv_freq")
 # HF name inside a layer → (our parameter, index of the slice it fills when fused)
 _LAYER_MAP = {
     "self_attn.q_proj.weight": ("qkv", 0),
@@ -55,18 +66,26 @@ def load_model(model_dir: str | Path, hf_config: dict[str, Any], dtype: torch.dt
     Raises ValueError if a parameter is left unfilled (a missing or unsupported checkpoint tensor).
     """
     args = LlamaArgs.from_hf(hf_config)
-    with torch.device(device):
+    with torch.device("meta"):
         model = LlamaForCausalLM(args).to(dtype)
+    model = model.to_empty(device=device)  # uninitialized: every parameter is filled below (or we raise)
     params = dict(model.named_parameters())
     filled: set[str] = set()
+    tied_head: torch.Tensor | None = None
     for path in _checkpoint_files(Path(model_dir)):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():
-                tensor = f.get_tensor(name)
-                target, bounds = _target(args, name)
-                if target is None:
+                if _IGNORED.fullmatch(name):
                     continue
+                tensor = f.get_tensor(name)
+                if name == "lm_head.weight" and args.tie_word_embeddings:
+                    tied_head = tensor  # must equal the embedding: checked once that is loaded
+                    continue
+                target, bounds = _target(args, name)
                 dest = params[target]
+                expected_shape = dest.shape if bounds is None else (bounds[1] - bounds[0], *dest.shape[1:])
+                if tuple(tensor.shape) != tuple(expected_shape):
+                    raise ValueError(f"model: tensor {name} has shape {tuple(tensor.shape)}, the config implies {tuple(expected_shape)}")
                 if bounds is None:
                     dest.copy_(tensor)
                 else:
@@ -76,23 +95,27 @@ def load_model(model_dir: str | Path, hf_config: dict[str, Any], dtype: torch.dt
     missing = sorted(expected - filled)
     if missing:
         raise ValueError(f"model: checkpoint lacks tensors for {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    if tied_head is not None and not torch.equal(tied_head.to(dtype), model.embed.data.cpu()):
+        raise ValueError("model: tie_word_embeddings is true but lm_head.weight differs from embed_tokens.weight")
     model.init_rope(args.max_position_embeddings)
     return model.eval()
 
 
-def _target(args: LlamaArgs, name: str) -> tuple[str | None, tuple[int, int] | None]:
+def _target(args: LlamaArgs, name: str) -> tuple[str, tuple[int, int] | None]:
+    """Our parameter (and the rows it fills) for a checkpoint tensor; ValueError if there is none."""
     if name == "model.embed_tokens.weight":
         return "embed", None
     if name == "model.norm.weight":
         return "norm", None
     if name == "lm_head.weight":
-        return (None, None) if args.tie_word_embeddings else ("lm_head", None)
+        return "lm_head", None
     m = _LAYER.fullmatch(name)
-    if m is None or m.group(2) not in _LAYER_MAP:
-        return None, None  # e.g. rotary inv_freq buffers
+    if m is None or m.group(2) not in _LAYER_MAP or int(m.group(1)) >= args.num_layers:
+        raise ValueError(f"model: checkpoint tensor {name} is not supported by this model (config: {args.num_layers} "
+                         "layers, Llama-family tensors without o_proj or MLP biases)")
     param, index = _LAYER_MAP[m.group(2)]
     if param == "qkv_bias" and not args.qkv_bias:
-        raise ValueError(f"model: unexpected bias tensor {name}")
+        raise ValueError(f"model: checkpoint tensor {name} is a bias the config does not declare (attention_bias)")
     return f"layers.{m.group(1)}.{param}", None if index is None else _slice_bounds(args, param, index)
 
 
