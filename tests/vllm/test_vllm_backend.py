@@ -250,15 +250,14 @@ def test_vllm_stats_reach_our_metric_names(loop, engine):
         assert v is not None, f"{name}{labels} missing"
         return v
 
-    exposition = prom.exposition().decode()
-    for spec in names.ENGINE_METRICS:
-        for series in spec.series_names():
-            assert f"\n{series}{{" in exposition, f"{series} is not exported"
+    def value_or_zero(name: str) -> float:  # a labelled histogram has no series before its first observation
+        v = registry.get_sample_value(name, {"model": MODEL_NAME})
+        return 0.0 if v is None else v
 
     counters = ("llm_generation_tokens_total", "llm_prompt_tokens_total", "llm_step_batch_size_count",
                 "llm_time_to_first_token_seconds_count", "llm_e2e_request_latency_seconds_count",
                 "llm_time_per_output_token_seconds_count", "llm_request_queue_time_seconds_count", "llm_step_num_tokens_sum")
-    before = {n: value(n) for n in counters}
+    before = {n: value_or_zero(n) for n in counters}
     length_before = value("llm_request_success_total", finish_reason="length")
     abort_before = value("llm_request_success_total", finish_reason="abort")
     steps_before = len(recorder.steps)
@@ -270,6 +269,10 @@ def test_vllm_stats_reach_our_metric_names(loop, engine):
                                       for i, p in enumerate(prompts)))
 
     streams = loop.run(run())
+    exposition = prom.exposition().decode()  # after this test's own traffic: it does not rely on a neighbour's
+    for spec in names.ENGINE_METRICS:
+        for series in spec.series_names():
+            assert f"\n{series}{{" in exposition, f"{series} is not exported"
     num_prompt = sum(s[0].num_prompt_tokens for s in streams)
     delta = {n: value(n) - before[n] for n in counters}
     assert delta["llm_generation_tokens_total"] == 16
@@ -284,6 +287,9 @@ def test_vllm_stats_reach_our_metric_names(loop, engine):
     # the gauges follow vLLM's stats messages: the one after the last finish may come a little later
     loop.run(wait_until(lambda: value("llm_kv_cache_usage_ratio") == 0.0 and value("llm_num_requests_running") == 0.0,
                         IDLE_TIMEOUT_S, "idle gauges"), timeout_s=IDLE_TIMEOUT_S + 10)
+    # the mapped per-request timings are consistent: queue <= TTFT <= e2e
+    for _, m in recorder.finished[-2:]:
+        assert 0 <= m.queue_s <= m.ttft_s <= m.e2e_s and m.num_generation_tokens == 8 and m.tpot_s > 0
 
     async def closed_early():  # an abort of this test's own (vLLM leaves aborts out of its stats; we count them)
         stream = backend.generate(GenerateRequest("m-aborted", prompt="Tell me a long story.",
@@ -293,9 +299,6 @@ def test_vllm_stats_reach_our_metric_names(loop, engine):
 
     loop.run(closed_early())
     assert value("llm_request_success_total", finish_reason="abort") - abort_before == 1
-    # the mapped per-request timings are consistent: queue <= TTFT <= e2e
-    for _, m in recorder.finished[-2:]:
-        assert 0 <= m.queue_s <= m.ttft_s <= m.e2e_s and m.num_generation_tokens == 8 and m.tpot_s > 0
 
 
 def test_dead_engine_core_makes_the_backend_unhealthy(loop, engine):
