@@ -44,6 +44,7 @@ class DecodeGraphs:
         self.block_tables = torch.zeros(big, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
+        self.num_replays = 0
 
     @property
     def max_batch(self) -> int:
@@ -96,4 +97,5 @@ class DecodeGraphs:
         self.query_start_loc[b + 1 : big + 1].fill_(b)
         self.block_tables[:b, :nb].copy_(step.block_tables)
         self.graphs[big].replay()
+        self.num_replays += 1
         return self.logits[big][:b]

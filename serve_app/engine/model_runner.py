@@ -159,7 +159,9 @@ class ModelRunner:
                 samplers.append(s)
         if not samplers:
             return ModelRunnerOutput((), ())
-        row_index = self._tensor(rows)
-        logits = graph_logits[row_index] if hidden is None else self.model.compute_logits(hidden[row_index])
+        computed = hidden if hidden is not None else graph_logits
+        # rows are increasing: as many as computed means all of them (no index tensor to send over)
+        picked = computed if len(rows) == computed.shape[0] else computed[self._tensor(rows)]
+        logits = picked if hidden is None else self.model.compute_logits(picked)
         token_ids = sample(logits, [s.sampling_params for s in samplers], [s.generator_key for s in samplers], self.generator)
         return ModelRunnerOutput(tuple(s.request_id for s in samplers), tuple(token_ids))

@@ -65,3 +65,17 @@ def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
     with pytest.raises(ValueError, match="flashinfer needs a CUDA"):
         resolve_backend("flashinfer", torch.device("cpu"))
     assert resolve_backend("auto", torch.device("cpu")) == "cpu_kernel"
+
+
+def test_flashinfer_page_lists():
+    """FlashInfer's page lists (its module imports flashinfer only when a backend is built)."""
+    import numpy as np
+
+    from serve_app.engine.attention_flashinfer import page_lists
+
+    seq_lens = np.array([1, 16, 17, 40], dtype=np.int32)
+    tables = np.array([[7, 0, 0], [3, 9, 0], [4, 5, 0], [8, 2, 6]], dtype=np.int32)
+    indptr, indices, last = page_lists(seq_lens, tables, 16)
+    assert indptr.tolist() == [0, 1, 2, 4, 7]
+    assert indices.tolist() == [7, 3, 4, 5, 8, 2, 6]
+    assert last.tolist() == [1, 16, 1, 8]
