@@ -91,48 +91,39 @@ class ModelRunner:
     def _tensor(self, data: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype, device=self.device)
 
-    def _slots(self, sched: ScheduledRequest) -> list[int]:
-        bs, table = self.block_size, sched.block_table
-        return [table[p // bs] * bs + p % bs for p in range(sched.start_pos, sched.context_len)]
-
     def prepare(self, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """`scheduled` must list single-token chunks (decodes) first."""
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        decodes = [s for s in scheduled if s.num_tokens == 1]
-        for s in scheduled:
-            input_ids.extend(s.token_ids)
-            positions.extend(range(s.start_pos, s.context_len))
-            slots.extend(self._slots(s))
+        """Inputs for the decode-kernel / reference paths. `scheduled` must list single-token chunks
+        (decodes) first."""
+        step = self.input_batch.build(scheduled)
+        b = next((i for i, s in enumerate(scheduled) if s.num_tokens != 1), len(scheduled))
         block_tables = context_lens = mask = None
-        if decodes:
-            max_blocks = max(len(s.block_table) for s in decodes)
-            block_tables = self._tensor([list(s.block_table) + [0] * (max_blocks - len(s.block_table)) for s in decodes])
-            context_lens = self._tensor([s.context_len for s in decodes], torch.int32)
+        if b:
+            max_blocks = max(len(s.block_table) for s in scheduled[:b])
+            block_tables = step.block_tables[:b, :max_blocks].to(torch.long, memory_format=torch.contiguous_format)
+            context_lens = step.seq_lens[:b]
             if self.decode_kernel is None:
                 keys = torch.arange(max_blocks * self.block_size, device=self.device)
-                mask = (keys.unsqueeze(0) < context_lens.unsqueeze(1)).view(len(decodes), 1, 1, -1)
+                mask = (keys.unsqueeze(0) < context_lens.unsqueeze(1)).view(b, 1, 1, -1)
         prefills = []
-        offset = len(decodes)
-        for s in scheduled[len(decodes) :]:
+        starts = step.host_query_start_loc
+        for i in range(b, len(scheduled)):
+            s = scheduled[i]
             table = chunk_mask = None
             if s.start_pos > 0:
-                table = self._tensor(list(s.block_table))
+                table = step.block_tables[i, : len(s.block_table)].long()
                 q_pos = torch.arange(s.start_pos, s.context_len, device=self.device)
                 chunk_mask = torch.arange(s.context_len, device=self.device).unsqueeze(0) <= q_pos.unsqueeze(1)
-            prefills.append(PrefillChunk(offset, s.num_tokens, s.start_pos, table, chunk_mask))
-            offset += s.num_tokens
+            prefills.append(PrefillChunk(int(starts[i]), s.num_tokens, s.start_pos, table, chunk_mask))
         meta = AttentionMetadata(
-            slot_mapping=self._tensor(slots),
-            num_decodes=len(decodes),
+            slot_mapping=step.slot_mapping,
+            num_decodes=b,
             decode_block_tables=block_tables,
             decode_context_lens=context_lens,
             decode_mask=mask,
             prefills=tuple(prefills),
             decode_kernel=self.decode_kernel,
         )
-        return self._tensor(input_ids), self._tensor(positions), meta
+        return step.input_ids, step.positions, meta
 
     def _forward(self, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor | None, torch.Tensor]:
         """(hidden [T, hidden], None) or, for a step that replayed a decode CUDA graph, (None, logits [T, vocab])."""
