@@ -223,6 +223,9 @@ class ServeConfig:
         _require(bool(self.model), "model", "a model directory is required")
         _require(self.backend in BACKENDS, "backend", f"must be one of {BACKENDS}, got {self.backend!r}")
         self.backend_options()  # validates the engine options (names and values) for the backend
+        if self.backend == "vllm" and self.vllm_options().world_size > 1:
+            _require(not self.num_gpus_per_replica, "num_gpus_per_replica", "leave it unset with tensor_parallel_size or "
+                     "pipeline_parallel_size > 1: the replica's placement group holds one device per rank")
         for name in ("num_replicas", "ingress_num_replicas", "max_ongoing_requests", "ingress_max_ongoing_requests", "max_n"):
             _require(isinstance(getattr(self, name), int) and getattr(self, name) >= 1, name, "must be an integer >= 1")
         for name in ("max_queued_requests", "ingress_max_queued_requests"):
