@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+import torch
+
+# Without a GPU, the Triton kernels' tests (tests/engine/test_triton_kernels.py) run them in Triton's
+# interpreter. Triton reads TRITON_INTERPRET when it is first imported, and transformers imports it,
+# so it is set here, before any test module loads.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL_DIR = REPO / "models" / "smollm2-135m-instruct"
