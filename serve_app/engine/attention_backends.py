@@ -2,8 +2,9 @@
 
 - cpu: `auto` is the C++ decode kernel (+ torch prefill); `triton` runs the Triton kernels under
   the interpreter (TRITON_INTERPRET=1; for tests only: slow); `flashinfer` is an error.
-- cuda: `auto` is FlashInfer when `flashinfer` imports, else Triton, else the reference path;
-  `torch` is the reference path (gathers blocks; SDPA).
+- cuda: `auto` is FlashInfer when `flashinfer` imports and the dtype is 16-bit (FlashInfer has no
+  fp32 kernels), else Triton, else the reference path; `torch` is the reference path (gathers
+  blocks; SDPA).
 Returns "torch", "cpu_kernel", "triton" or "flashinfer".
 """
 
@@ -15,7 +16,7 @@ import os
 import torch
 
 
-def resolve_backend(requested: str, device: torch.device) -> str:
+def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype) -> str:
     if requested == "torch":
         return "torch"
     if device.type == "cpu":
@@ -27,8 +28,11 @@ def resolve_backend(requested: str, device: torch.device) -> str:
     if requested in ("triton", "flashinfer"):
         if importlib.util.find_spec(requested) is None:
             raise ValueError(f"attention_backend: {requested} is not installed")
+        if requested == "flashinfer" and dtype == torch.float32:
+            raise ValueError("attention_backend: flashinfer has no float32 kernels (use bfloat16/float16, or triton)")
         return requested
-    return next((name for name in ("flashinfer", "triton") if importlib.util.find_spec(name) is not None), "torch")
+    candidates = ("triton",) if dtype == torch.float32 else ("flashinfer", "triton")
+    return next((name for name in candidates if importlib.util.find_spec(name) is not None), "torch")
 
 
 def make_varlen_attention(backend: str, args, block_size: int, dtype: torch.dtype, device: torch.device):

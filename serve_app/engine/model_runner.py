@@ -44,7 +44,7 @@ class ModelRunner:
         self.model = load_model(model_config.model, hf_config, self.dtype, model_config.device)
         self.args = self.model.args
         self.packed_weights = self.model.pack_linear_weights()
-        self.backend = resolve_backend(model_config.attention_backend, self.device)
+        self.backend = resolve_backend(model_config.attention_backend, self.device, self.dtype)
         use_cpu_ops = self.backend == "cpu_kernel"
         if use_cpu_ops and self.dtype == torch.bfloat16:
             self.model.use_rms_norm_op(cpu_kernels.rms_norm_bf16_op())

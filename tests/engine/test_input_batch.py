@@ -61,10 +61,11 @@ def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="TRITON_INTERPRET"):
-        resolve_backend("triton", torch.device("cpu"))
+        resolve_backend("triton", torch.device("cpu"), torch.bfloat16)
     with pytest.raises(ValueError, match="flashinfer needs a CUDA"):
-        resolve_backend("flashinfer", torch.device("cpu"))
-    assert resolve_backend("auto", torch.device("cpu")) == "cpu_kernel"
+        resolve_backend("flashinfer", torch.device("cpu"), torch.bfloat16)
+    assert resolve_backend("auto", torch.device("cpu"), torch.bfloat16) == "cpu_kernel"
+    assert resolve_backend("torch", torch.device("cuda"), torch.float32) == "torch"
 
 
 def test_flashinfer_page_lists():
