@@ -79,6 +79,7 @@ def main() -> int:
     p.add_argument("--batch-sizes", default="1,2,4,8,16,32,64,128,256")
     p.add_argument("--context", type=int, default=256, help="tokens of context per request")
     p.add_argument("--steps", type=int, default=50, help="timed steps per batch size")
+    p.add_argument("--block-size", type=int, default=16, help="KV block size (tokens)")
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--enforce-eager", action="store_true", help="CUDA: no graphs")
     p.add_argument("--out-dir", default=None, help="default reports/ (build/decode-sweep-quick/ with --quick)")
@@ -91,8 +92,8 @@ def main() -> int:
     device = torch.device(args.device)
     load_avg = os.getloadavg()
     cfg = EngineConfig.from_kwargs(args.model, dtype=args.dtype, device=args.device, attention_backend=args.attention_backend,
-                                   enforce_eager=args.enforce_eager, max_num_seqs=max(batch_sizes), block_size=16,
-                                   num_blocks=max(batch_sizes) * -(-args.context // 16) + 1)
+                                   enforce_eager=args.enforce_eager, max_num_seqs=max(batch_sizes), block_size=args.block_size,
+                                   num_blocks=max(batch_sizes) * -(-args.context // args.block_size) + 1)
     runner = ModelRunner(cfg.model, cfg.cache, cfg.model.hf_config(), cfg.scheduler)
     bandwidth = copy_bandwidth(device, 1 << 30 if device.type == "cuda" else 1 << 28)
     w_bytes = weight_bytes(runner)
@@ -101,7 +102,7 @@ def main() -> int:
           f"weights {w_bytes / 2**20:.0f} MiB, copy bandwidth {bandwidth / 1e9:.0f} GB/s", flush=True)
     rows = []
     for b in batch_sizes:
-        batch = decode_batch(b, args.context, 16)
+        batch = decode_batch(b, args.context, args.block_size)
         for _ in range(3):
             runner.execute_model(batch)
         times = []
@@ -120,7 +121,7 @@ def main() -> int:
     result = {
         "command": " ".join(["python", "loadtest/decode_sweep.py", *sys.argv[1:]]),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "torch": torch.__version__, "dtype": args.dtype, "attention_backend": runner.backend,
+        "torch": torch.__version__, "dtype": args.dtype, "attention_backend": runner.backend, "block_size": args.block_size,
         "cuda_graphs": runner.decode_graphs is not None, "context": args.context, "steps": args.steps,
         "weight_bytes": w_bytes, "kv_bytes_per_token": kv_token, "copy_bandwidth_gb_s": bandwidth / 1e9,
         "load_avg_at_start": [round(x, 2) for x in load_avg], "rows": rows,
@@ -131,7 +132,8 @@ def main() -> int:
         "# Decode-step latency sweep", "",
         f"`{result['command']}`", "",
         f"{result['device']}, torch {result['torch']}, {args.dtype}, attention `{runner.backend}`"
-        f"{', CUDA graphs' if result['cuda_graphs'] else ''}; context {args.context} tokens per request; median of "
+        f"{', CUDA graphs' if result['cuda_graphs'] else ''}; KV blocks of {args.block_size} tokens; context {args.context} "
+        f"tokens per request; median of "
         f"{args.steps} steps (p10-p90). Floor: (weights {w_bytes / 2**20:.0f} MiB + the batch's K/V) / measured copy "
         f"bandwidth {bandwidth / 1e9:.0f} GB/s. Load average at start: {result['load_avg_at_start']}.", "",
         "| batch | step (ms) | p10-p90 (ms) | floor (ms) | floor / step | tok/s |", "|---|---|---|---|---|---|",
