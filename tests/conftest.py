@@ -8,14 +8,18 @@ from pathlib import Path
 import pytest
 import torch
 
-# Without a GPU, the Triton kernels' tests (tests/engine/test_triton_kernels.py) run them in Triton's
-# interpreter. Triton reads TRITON_INTERPRET when it is first imported, and transformers imports it,
-# so it is set here, before any test module loads.
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 REPO = Path(__file__).resolve().parent.parent
 MODEL_DIR = REPO / "models" / "smollm2-135m-instruct"
+
+
+def pytest_configure(config):
+    """Without a GPU, the Triton kernels' tests (tests/engine/test_triton_kernels.py) run them in
+    Triton's interpreter. Triton reads TRITON_INTERPRET when it is first imported, and transformers
+    imports it, so it is set here, before any test module loads; not for a session that selects the
+    vLLM tests (vLLM imports Triton too, and they never run our kernels)."""
+    selects_vllm = "vllm" in (config.option.markexpr or "").replace("not vllm", "")
+    if not torch.cuda.is_available() and not selects_vllm:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session", autouse=True)
