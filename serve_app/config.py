@@ -40,7 +40,7 @@ class ModelConfig:
     max_model_len: int = 0
     seed: int = 0
     served_model_name: str = ""
-    # auto: on CPU the C++ decode kernel (when it builds); on CUDA FlashInfer when importable, else Triton.
+    # auto: on CPU the C++ decode kernel (when it builds); on CUDA FlashInfer when importable (16-bit dtypes), else Triton.
     # torch: the reference path (gathers blocks, SDPA); triton / flashinfer: those kernels (CUDA; triton
     # also runs on CPU under TRITON_INTERPRET=1, for tests)
     attention_backend: str = "auto"
