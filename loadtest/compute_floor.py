@@ -26,10 +26,11 @@ def w1_flops(cfg: dict[str, Any], num_requests: int, prompt_len: int, output_len
     per_token = 2 * layers * (hidden * (q + 2 * kv) + q * hidden + hidden * 2 * inter + inter * hidden)
     head = 2 * hidden * cfg["vocab_size"]
     attn_per_ctx = 4 * layers * heads * head_dim  # per (query, key) pair
-    # prompt token at position p attends over p + 1 keys; decode token i (0-based) over prompt_len + i + 1
+    # the prompt token at position p attends over p + 1 keys; decode step i (1-based) feeds the token at
+    # position prompt_len + i - 1, which attends over prompt_len + i keys
     prefill = num_requests * (prompt_len * per_token + head + attn_per_ctx * prompt_len * (prompt_len + 1) / 2)
     decodes = output_len - 1
-    decode_ctx = sum(prompt_len + i + 1 for i in range(1, decodes + 1))
+    decode_ctx = sum(prompt_len + i for i in range(1, decodes + 1))
     decode = num_requests * (decodes * (per_token + head) + attn_per_ctx * decode_ctx)
     return {"prefill_flops": prefill, "decode_flops": decode}
 
