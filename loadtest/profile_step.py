@@ -1,11 +1,11 @@
-"""Per-op time breakdown of the engine's steps at W1's shapes (torch.profiler), fused ops on and off.
+"""Per-op time breakdown of the engine's steps at W1's shapes (torch.profiler), fused op on and off.
 
 Two steps of the model runner alone, as W1 has them: a decode step of 64 sequences at context 192
 (the middle of W1's decodes), and a prefill step of 16 prompts x 128 tokens (W1's 2,048-token
 budget). For each, `--steps` profiled steps (after warm-up): every op's self CPU time per step,
 its calls per step and its share of the step's wall time, top ops first (the C++ extension's ops
-appear as `cpp::*`); the same with the fused C++ ops turned off (the torch chains they replace), so
-the table shows what fusion removed. The two configurations alternate; each keeps its fastest round.
+appear as `cpp::*`); the same with the fused residual add + RMSNorm turned off (the add and the norm
+apart), so the table shows what fusion removed. The two configurations alternate; each keeps its fastest round.
 
     python loadtest/profile_step.py                       # -> reports/profile_cpu.{md,json}
     python loadtest/profile_step.py --quick               # -> build/profile-quick/
@@ -90,11 +90,9 @@ def main() -> int:
     cfg = EngineConfig.from_kwargs(args.model, dtype="bfloat16", num_blocks=decode_b * 12 + prefill_n * 8 + 1)
     runner = ModelRunner(cfg.model, cfg.cache, cfg.model.hf_config(), cfg.scheduler)
     model = runner.model
-    if model._fused is not None:
-        model._fused = type(model._fused)(*(labeled(f"cpp::{n}", getattr(model._fused, n)) for n in ("add_rms_norm", "silu_and_mul", "rope_store_kv")))
+    fused_op = labeled("cpp::add_rms_norm", model._add_rms_norm_op)
     model._rms_norm_op = labeled("cpp::rms_norm", model._rms_norm_op)
     runner.decode_kernel = labeled("cpp::paged_decode", runner.decode_kernel)
-    fused_ops = model._fused
     shapes = {"decode": decode_batch(decode_b, 192, 16), "prefill": prefill_batch(prefill_n, 128, 16, decode_b * 12)}
     result = {"command": " ".join(["python", "loadtest/profile_step.py", *sys.argv[1:]]), "threads": torch.get_num_threads(),
               "load_avg_at_start": [round(x, 2) for x in load_avg], "decode_batch": decode_b, "prefill": f"{prefill_n} x 128",
@@ -103,7 +101,7 @@ def main() -> int:
     for _ in range(1 if args.quick else 2):
         for name, batch in shapes.items():
             for fused in (True, False):
-                runner.model.use_fused_ops(fused_ops if fused else None)
+                runner.model.use_add_rms_norm_op(fused_op if fused else None)
                 key = f"{name} ({'fused' if fused else 'unfused'})"
                 run = breakdown(runner, batch, steps, args.top)
                 print(f"[profile] {key}: {run['step_ms']:.1f} ms/step, {run['op_calls_per_step']:.0f} op calls/step", flush=True)

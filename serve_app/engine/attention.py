@@ -49,7 +49,6 @@ class AttentionMetadata:
     # backend over `step`, an input_batch.StepInputs)
     impl: Callable | None = None
     step: Any = None
-    kv_written: bool = False  # the model already wrote this step's K/V (fused RoPE + KV write)
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -78,8 +77,7 @@ def paged_attention(
     """Returns [T, H, D]."""
     if meta.impl is not None:
         return meta.impl(q, k, v, k_cache, v_cache, meta.step, scale)
-    if not meta.kv_written:
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     group = num_heads // num_kv_heads

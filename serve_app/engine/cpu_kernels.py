@@ -6,10 +6,10 @@
   thousands of tiny attention problems. fp32 accumulation.
 - `rms_norm_bf16` (csrc/rms_norm.cpp): one pass per row instead of torch's chain of ops, with HF's
   rounding.
-- fused bf16 decoder-layer glue (csrc/fused_ops.cpp): residual add + RMSNorm, SiLU-and-mul, and
-  RoPE + the K/V write by slot mapping.
+- `add_rms_norm_bf16` (csrc/fused_ops.cpp): residual add + RMSNorm in one pass (the residual
+  updated in place), bit-identical to the pair it replaces.
 
-`paged_decode_kernel()` / `rms_norm_bf16_op()` / `fused_bf16_ops()` return the op(s), or None (with a warning, once) when the
+`paged_decode_kernel()` / `rms_norm_bf16_op()` / `add_rms_norm_bf16_op()` return the op, or None (with a warning, once) when the
 extension cannot be built; callers then use the torch path. `python -m serve_app.engine.cpu_kernels`
 builds it ahead of time (make install does).
 """
@@ -20,8 +20,6 @@ import functools
 import hashlib
 import logging
 import os
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -61,16 +59,9 @@ def rms_norm_bf16_op():
     return None if ext is None else ext.rms_norm_bf16
 
 
-@dataclass(frozen=True)
-class FusedOps:
-    add_rms_norm: Callable  # (x, residual, weight, eps) -> normed; residual += x in place
-    silu_and_mul: Callable  # (gate_up [T, 2I]) -> [T, I]
-    rope_store_kv: Callable  # (qkv, positions, cos, signed_sin, k_cache, v_cache, slot_mapping, num_heads) -> qk
-
-
-def fused_bf16_ops() -> FusedOps | None:
+def add_rms_norm_bf16_op():
     ext = _extension()
-    return None if ext is None else FusedOps(ext.add_rms_norm_bf16, ext.silu_and_mul_bf16, ext.rope_store_kv_bf16)
+    return None if ext is None else ext.add_rms_norm_bf16
 
 
 if __name__ == "__main__":

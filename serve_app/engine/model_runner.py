@@ -48,7 +48,7 @@ class ModelRunner:
         use_cpu_ops = self.backend == "cpu_kernel"
         if use_cpu_ops and self.dtype == torch.bfloat16:
             self.model.use_rms_norm_op(cpu_kernels.rms_norm_bf16_op())
-            self.model.use_fused_ops(cpu_kernels.fused_bf16_ops())
+            self.model.use_add_rms_norm_op(cpu_kernels.add_rms_norm_bf16_op())
         per_block = kv_cache_bytes_per_block(self.args, self.block_size, self.dtype)
         if cache_config.gpu_memory_utilization:
             if self.device.type != "cuda":

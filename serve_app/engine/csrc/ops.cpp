@@ -5,14 +5,9 @@ void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, tor
                   torch::Tensor block_tables, torch::Tensor context_lens, double scale);
 torch::Tensor rms_norm_bf16(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor add_rms_norm_bf16(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
-torch::Tensor silu_and_mul_bf16(torch::Tensor gate_up);
-torch::Tensor rope_store_kv_bf16(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor signed_sin,
-                                 torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slot_mapping, int64_t num_heads);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention (CPU)");
   m.def("rms_norm_bf16", &rms_norm_bf16, "RMSNorm, bf16 in and out, HF's rounding (CPU)");
   m.def("add_rms_norm_bf16", &add_rms_norm_bf16, "residual += x (in place), then RMSNorm of it (bf16, CPU)");
-  m.def("silu_and_mul_bf16", &silu_and_mul_bf16, "silu(gate) * up of a fused gate_up row (bf16, CPU)");
-  m.def("rope_store_kv_bf16", &rope_store_kv_bf16, "RoPE on q and k + K/V write by slot mapping (bf16, CPU)");
 }

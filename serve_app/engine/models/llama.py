@@ -8,7 +8,7 @@ q/k/v and gate/up projections are fused into one matmul each.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -121,20 +121,21 @@ class LlamaForCausalLM(nn.Module):
         self._linear = F.linear
         self._lm_head_packed: torch.Tensor | None = None
         self._rms_norm_op = None  # (x, weight, eps) -> normed, replacing F.rms_norm (bf16 CPU op)
-        self._fused = None  # cpu_kernels.FusedOps (bf16 CPU): add+norm, SiLU-and-mul, RoPE + KV write
+        self._add_rms_norm_op = None  # (x, residual, weight, eps) -> normed, residual += x in place (bf16 CPU op)
 
     def use_rms_norm_op(self, op) -> None:
         """Normalize with `op(x, weight, eps)` (e.g. the C++ bf16 CPU op) instead of F.rms_norm."""
         self._rms_norm_op = op
 
-    def use_fused_ops(self, ops) -> None:
-        """Run the layer glue as fused ops (`cpu_kernels.FusedOps`, bf16 CPU); same results."""
-        self._fused = ops
+    def use_add_rms_norm_op(self, op) -> None:
+        """Add to the residual and normalize with `op(x, residual, weight, eps)` (the C++ bf16 CPU op,
+        which updates `residual` in place); same results as the add and the norm apart."""
+        self._add_rms_norm_op = op
 
     def _add_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(residual + x), residual + x); the fused op updates `residual` in place."""
-        if self._fused is not None:
-            return self._fused.add_rms_norm(x, residual, weight, self.args.rms_norm_eps), residual
+        if self._add_rms_norm_op is not None:
+            return self._add_rms_norm_op(x, residual, weight, self.args.rms_norm_eps), residual
         residual = residual + x
         return self._norm(residual, weight), residual
 
@@ -186,12 +187,8 @@ class LlamaForCausalLM(nn.Module):
         a = self.args
         num_tokens = input_ids.shape[0]
         q_size, kv_size = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
-        fused = self._fused
-        if fused is None:
-            cos = self._cos[positions].unsqueeze(1)  # [T, 1, D]
-            sin = self._sin[positions].unsqueeze(1)
-        else:
-            meta = replace(meta, kv_written=True)  # rope_store_kv writes K/V
+        cos = self._cos[positions].unsqueeze(1)  # [T, 1, D]
+        sin = self._sin[positions].unsqueeze(1)
         hidden = F.embedding(input_ids, self.embed)  # [T, hidden]
         residual = None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
@@ -200,21 +197,14 @@ class LlamaForCausalLM(nn.Module):
             else:  # the previous layer's MLP output joins the residual stream here
                 x, residual = self._add_norm(hidden, residual, layer.input_norm)
             qkv = self._linear(x, layer.qkv, layer.qkv_bias)  # [T, q + 2 kv]
-            if fused is None:  # q and k heads rotate together (one set of ops for both)
-                qk = self._rope(qkv[:, : q_size + kv_size].view(num_tokens, a.num_heads + a.num_kv_heads, a.head_dim), cos, sin)
-            else:
-                qk = fused.rope_store_kv(qkv, positions, self._cos, self._sin, k_cache, v_cache, meta.slot_mapping, a.num_heads)
+            # q and k heads rotate together (one set of ops for both)
+            qk = self._rope(qkv[:, : q_size + kv_size].view(num_tokens, a.num_heads + a.num_kv_heads, a.head_dim), cos, sin)
             q, k = qk[:, : a.num_heads], qk[:, a.num_heads :]
             v = qkv[:, q_size + kv_size :].view(num_tokens, a.num_kv_heads, a.head_dim)
             attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)  # [T, H, D]
             x, residual = self._add_norm(self._linear(attn.view(num_tokens, q_size), layer.o), residual, layer.post_norm)
-            gate_up = self._linear(x, layer.gate_up)  # [T, 2 I]
-            if fused is None:
-                gate, up = gate_up.chunk(2, dim=-1)
-                act = F.silu(gate) * up
-            else:
-                act = fused.silu_and_mul(gate_up)
-            hidden = self._linear(act, layer.down)
+            gate, up = self._linear(x, layer.gate_up).chunk(2, dim=-1)
+            hidden = self._linear(F.silu(gate) * up, layer.down)
         return residual + hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
