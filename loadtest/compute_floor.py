@@ -35,8 +35,9 @@ def w1_flops(cfg: dict[str, Any], num_requests: int, prompt_len: int, output_len
     return {"prefill_flops": prefill, "decode_flops": decode}
 
 
-def matmul_rate(cfg: dict[str, Any], rows: int, dtype_name: str, device: str, repeats: int = 5) -> float:
-    """FLOP/s of one pass over the model's projection shapes (one layer + lm_head) at `rows` rows."""
+def matmul_rate(cfg: dict[str, Any], rows: int, dtype_name: str, device: str, repeats: int = 5, with_head: bool = True) -> float:
+    """FLOP/s of one pass over the model's projection shapes (one layer, + the lm_head when
+    `with_head`: decode steps run it on every row, prefill steps on one row per prompt) at `rows` rows."""
     import torch
     import torch.nn.functional as F
 
@@ -45,7 +46,7 @@ def matmul_rate(cfg: dict[str, Any], rows: int, dtype_name: str, device: str, re
     heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or hidden // heads
     q, kv = heads * head_dim, (cfg.get("num_key_value_heads") or heads) * head_dim
-    shapes = [(hidden, q + 2 * kv), (q, hidden), (hidden, 2 * inter), (inter, hidden), (hidden, cfg["vocab_size"])]
+    shapes = [(hidden, q + 2 * kv), (q, hidden), (hidden, 2 * inter), (inter, hidden)] + ([(hidden, cfg["vocab_size"])] if with_head else [])
     mats = [(torch.randn(rows, k, device=device).to(dtype), torch.randn(n, k, device=device).to(dtype)) for k, n in shapes]
     flops = sum(2 * rows * k * n for k, n in shapes)
     linear = F.linear
@@ -78,7 +79,7 @@ def measure(cfg: dict[str, Any], opts: dict[str, Any]) -> dict[str, Any]:
     decode_rows = min(opts["num_requests"], opts["max_num_seqs"])
     prefill_rows = min(opts["num_requests"] * opts["prompt_len"], opts["max_num_batched_tokens"])
     decode_rate = matmul_rate(cfg, decode_rows, opts["dtype"], opts["device"])
-    prefill_rate = matmul_rate(cfg, prefill_rows, opts["dtype"], opts["device"])
+    prefill_rate = matmul_rate(cfg, prefill_rows, opts["dtype"], opts["device"], with_head=False)
     floor_s = flops["prefill_flops"] / prefill_rate + flops["decode_flops"] / decode_rate
     return {
         **flops,
