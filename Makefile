@@ -163,7 +163,7 @@ loadtest: install
 	  LOADTEST_TIME=$(LOADTEST_TIME) LOADTEST_WORKLOAD=$(LOADTEST_WORKLOAD) LOADTEST_API=$(LOADTEST_API) \
 	  LOADTEST_ARGS="$(LOADTEST_ARGS)" loadtest/run_loadtest.sh
 
-# W2: one seeded Poisson trace replayed in-process under static, dynamic and continuous
+# W2: one seeded Poisson trace (its rate calibrated to this machine first) replayed in-process under static, dynamic and continuous
 # batching → reports/batching.{json,md} + PNGs (≈ 100 s on 2 quiet cores;
 # BENCH_BATCHING_ARGS=--quick: 16 requests, ≈ 1.5 min, into build/bench-batching-quick/).
 BENCH_BATCHING_ARGS ?=

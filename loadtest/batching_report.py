@@ -249,7 +249,10 @@ def render_markdown(results: dict[str, Any], png_names: dict[str, str]) -> str:
              f"({m['torch_threads']} thread(s)), git {m['git']}.", "",
              "## Workload", "",
              f"- {w['num_requests']} requests, Poisson arrivals at {w['rate_per_s']:g}/s (seed {w['seed']}) over "
-             f"{w['arrival_span_s']:.1f} s; classes {w['classes']}",
+             f"{w['arrival_span_s']:.1f} s; classes {w['classes']}"
+             + (f"; the rate is {w['calibration']['load']:g} x the capacity calibrated first in this run "
+                f"({w['calibration']['capacity_req_s']:.2f} req/s: continuous batching, {w['calibration']['requests']} of "
+                f"the trace's requests arriving at once)" if w.get("calibration") else ""),
              f"- prompt tokens {w['prompt_len']['min']}–{w['prompt_len']['max']} (mean {w['prompt_len']['mean']:.0f}), "
              f"output tokens {w['output_len']['min']}–{w['output_len']['max']} (mean {w['output_len']['mean']:.0f}; exact: "
              f"greedy with ignore_eos); random token ids; {w['prompt_tokens']} prompt + {w['output_tokens']} output tokens",

@@ -178,6 +178,20 @@ def run_policy(args: argparse.Namespace, spec: str, trace: list[TraceRequest]) -
     return {"summary": summary, "requests": [r.__dict__ for r in results], "steps": [s.__dict__ for s in steps]}
 
 
+def calibrate(args: argparse.Namespace, trace: list[TraceRequest]) -> dict[str, Any]:
+    """The machine's capacity on this trace's mix: continuous batching with its first
+    2 x `max_num_seqs` requests all arriving at once (a saturated engine); requests completed per
+    second of makespan. Replays then arrive at `--load` x that rate, so every policy meets a queue
+    and the comparison measures batching, not how fast the trace arrives on this machine."""
+    n = min(len(trace), 2 * args.max_num_seqs)
+    burst = [TraceRequest(r.index, 0.0, r.klass, r.prompt_token_ids, r.output_len) for r in trace[:n]]
+    run = run_policy(args, "continuous", burst)
+    s = run["summary"]
+    capacity = n / s["makespan_s"]
+    return {"requests": n, "makespan_s": s["makespan_s"], "capacity_req_s": capacity, "load": args.load,
+            "rate_req_s": args.load * capacity, "output_tok_s": s["output_tok_s"]}
+
+
 def machine_info() -> dict[str, Any]:
     import torch
 
@@ -202,7 +216,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--policies", default=",".join(POLICIES),
                    help="comma-separated, run in this order; static:N / dynamic:N add a variant with batch size N")
     p.add_argument("--num-requests", type=int, default=96)
-    p.add_argument("--rate", type=float, default=8.0, help="Poisson arrivals per second (default: above every policy's capacity)")
+    p.add_argument("--rate", type=float, default=None,
+                   help="Poisson arrivals per second (default: --load x the capacity calibrated on this machine first)")
+    p.add_argument("--load", type=float, default=1.5, help="arrival rate as a multiple of the calibrated capacity")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default, every core)")
@@ -223,7 +239,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         except ValueError as exc:
             p.error(str(exc))
     if args.quick:
-        args.num_requests, args.rate = 16, 4.0
+        args.num_requests = 16
     args.out_dir = Path(args.out_dir or (REPO / ("build/bench-batching-quick" if args.quick else "reports")))
     return args
 
@@ -243,9 +259,22 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoConfig
 
     vocab = AutoConfig.from_pretrained(args.model).vocab_size
-    trace = make_trace(args.num_requests, args.rate, args.seed, vocab_size=vocab)
-    if args.quick:  # same shape of trace, a quarter of the output tokens
-        trace = [TraceRequest(r.index, r.arrival_s, r.klass, r.prompt_token_ids[: max(8, r.prompt_len // 4)], max(2, r.output_len // 4)) for r in trace]
+    def build_trace(rate: float) -> list[TraceRequest]:
+        trace = make_trace(args.num_requests, rate, args.seed, vocab_size=vocab)
+        if args.quick:  # same shape of trace, a quarter of the output tokens
+            trace = [TraceRequest(r.index, r.arrival_s, r.klass, r.prompt_token_ids[: max(8, r.prompt_len // 4)], max(2, r.output_len // 4))
+                     for r in trace]
+        return trace
+
+    calibration = None
+    if args.rate is None:
+        log(f"calibrating: continuous batching, {min(args.num_requests, 2 * args.max_num_seqs)} of the trace's requests at once ...")
+        calibration = calibrate(args, build_trace(1.0))
+        args.rate = calibration["rate_req_s"]
+        log(f"capacity {calibration['capacity_req_s']:.2f} req/s ({calibration['output_tok_s']:.0f} output tok/s) -> "
+            f"arrivals at {args.load} x = {args.rate:.2f} req/s")
+        gc.collect()
+    trace = build_trace(args.rate)
     workload = describe_trace(trace)
     log(f"trace: {workload['num_requests']} requests over {workload['arrival_span_s']:.1f} s "
         f"({workload['prompt_tokens']} prompt + {workload['output_tokens']} output tokens, classes {workload['classes']}); "
@@ -261,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
             + ("" if s["complete"] else " (INCOMPLETE: timed out)"))
         gc.collect()
     results = {
-        "workload": {**workload, "rate_per_s": args.rate, "seed": args.seed, "quick": args.quick},
+        "workload": {**workload, "rate_per_s": args.rate, "seed": args.seed, "quick": args.quick, "calibration": calibration},
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "machine": machine_info(),
         "command": command_line(),

@@ -5,7 +5,9 @@ output tokens, greedy, ignore_eos, bf16, every request submitted at once. Engine
 engine_runners.py): the native continuous-batching engine, HF `generate` in static batches of 16,
 and vLLM when it is installed (skipped with a note otherwise).
 
-Each engine runs in its own worker process (so its peak RSS is its own), loads its model once and
+Before the engines, the run's compute floor is measured (loadtest/compute_floor.py: W1's FLOPs at
+the machine's matmul rate at the run's decode and prefill shapes) and each engine's share of it
+reported. Each engine runs in its own worker process (so its peak RSS is its own), loads its model once and
 warms up once; then the repeats are interleaved (repeat r runs every engine, the order rotated by
 r) so that a change in machine load hits all engines alike. Ratios are taken per repeat, between
 runs minutes apart. Writes engine_throughput.{json,md,png} to --out-dir (default reports/).
@@ -39,6 +41,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_report import summarize, write_reports  # noqa: E402
+from compute_floor import measure as measure_compute_floor  # noqa: E402
 from engine_runners import ENGINES, engine_label  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -95,6 +98,21 @@ def worker_main(name: str, opts: dict[str, Any], conn) -> None:
             ))
     except Exception:
         conn.send(("error", traceback.format_exc()))
+    finally:
+        conn.close()
+
+
+def floor_main(opts: dict[str, Any], conn) -> None:
+    """The run's compute floor (loadtest/compute_floor.py), with the engines' thread count."""
+    try:
+        import torch
+
+        if opts.get("threads"):
+            torch.set_num_threads(opts["threads"])
+        cfg = json.loads((Path(opts["model"]) / "config.json").read_text())
+        conn.send(measure_compute_floor(cfg, opts))
+    except Exception as exc:
+        conn.send({"error": repr(exc)})
     finally:
         conn.close()
 
@@ -330,6 +348,17 @@ def main(argv: list[str] | None = None) -> int:
             log(f"{name}: skipped ({reason})")
 
     ctx = mp.get_context("spawn")
+    log("compute floor: bf16 matmul rates at this run's decode and prefill shapes ...")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=floor_main, args=(opts, child), name="bench-floor")
+    proc.start()
+    child.close()
+    results["compute_floor"] = parent.recv() if parent.poll(600) else {"error": "timed out"}
+    proc.join(30)
+    floor = results["compute_floor"]
+    if "error" not in floor:
+        log(f"compute floor: {floor['floor_output_tok_s']:.0f} output tok/s (decode {floor['decode_tflop_s']:.2f} TFLOP/s, "
+            f"prefill {floor['prefill_tflop_s']:.2f} TFLOP/s)")
     monitor = RssMonitor()
     monitor.start()
     workers: dict[str, Worker] = {}

@@ -139,6 +139,18 @@ def markdown(results: dict[str, Any]) -> tuple[str, str]:
         gpu = [r["peak_gpu_allocated_mib"] for r in e["runs"] if "peak_gpu_allocated_mib" in r]
         if gpu:
             notes.append(f"- **{name}**: peak GPU memory allocated {max(gpu):.0f} MiB.")
+    floor = results.get("compute_floor")
+    if floor and "error" not in floor:
+        shares = ", ".join(f"{name} {e['output_tok_s']['median'] / floor['floor_output_tok_s']:.0%}"
+                           for name, e in results["engines"].items() if e.get("runs"))
+        notes.append(
+            f"- **compute floor** (loadtest/compute_floor.py, measured in this run): {floor['floor_output_tok_s']:.0f} output tok/s = "
+            f"W1's {floor['prefill_flops'] / 1e9:.0f} GFLOP prefill at {floor['prefill_tflop_s']:.2f} TFLOP/s "
+            f"({floor['prefill_rows']}-row matmuls) + {floor['decode_flops'] / 1e9:.0f} GFLOP decode at "
+            f"{floor['decode_tflop_s']:.2f} TFLOP/s ({floor['decode_rows']}-row matmuls); share of the floor: {shares}."
+        )
+    elif floor:
+        notes.append(f"- **compute floor**: not measured ({floor['error']}).")
     table = "\n".join(rows)
     target = results.get("target")
     headline = ""

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU readiness check, in one command on a machine with an NVIDIA GPU and this repo:
+# GPU check, in one command on a machine with an NVIDIA GPU and this repo:
 #
 #   bash loadtest/gpu_check.sh
 #
@@ -19,26 +19,32 @@
 #    tokenizer.json, tokenizer_config.json, chat_template.jinja, generation_config.json: no weights),
 #    a random-weight stand-in is made (loadtest/random_model.py):
 #    the token-exact tests and throughput still mean something, the bf16 "Paris" check is skipped.
-# 3. pytest -m gpu tests/gpu (native on cuda vs HF on cuda: fp32 token-exact, bf16 sanity).
-# 4. W1 on cuda: native vs HF static batches of 16, bf16, 1 repeat (loadtest/bench_engine.py).
-# 5. A short table. Outputs go to $OUT if set, else reports/gpu/ (not reports/, whose CPU
-#    engine_throughput.* it would overwrite). Everything runs under a deadline of $BUDGET_S (480) s.
+# 3. pytest -m gpu tests/gpu (native on cuda vs HF on cuda: fp32 token-exact with every attention
+#    backend, with and without decode CUDA graphs; bf16 sanity; gpu_memory_utilization; one host
+#    sync per decode step) and the Triton kernels against the reference on the GPU
+#    (tests/engine/test_triton_kernels.py).
+# 4. W1 on cuda: native vs HF static batches of 16 (and vLLM where it is installed), bf16, 1 repeat
+#    (loadtest/bench_engine.py).
+# 5. Decode-step latency sweep, batch 1-256, with the weight-streaming floor beside it
+#    (loadtest/decode_sweep.py; CUDA graphs), and batch 1 without graphs for comparison.
+# 6. A short table. Outputs go to $OUT if set, else reports/gpu/ (not reports/, whose CPU
+#    engine_throughput.* it would overwrite). Everything runs under a deadline of $BUDGET_S (540) s.
 #
 # Knobs (environment): OUT, BUDGET_S, VENV, PYTHON (the system python), MODEL_DIR, BENCH_ENGINES
-# (native,hf), BENCH_ARGS (extra bench_engine.py options), CONVERT_MODEL=0 (never run make model),
+# (native,hf,vllm; vllm is skipped where it is not installed), SWEEP_ARGS (extra decode_sweep.py options), BENCH_ARGS (extra bench_engine.py options), CONVERT_MODEL=0 (never run make model),
 # GPU_CHECK_DEVICE=cpu (a dry run of this script on a machine without a GPU, e.g. with
 # BENCH_ARGS=--quick: CUDA is not required and tests and benchmark run on the CPU).
 #
-# Exit status: 0 when the GPU tests and the benchmark both succeeded.
+# Exit status: 0 when the GPU tests, the benchmark and the sweep all succeeded.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-BUDGET_S=${BUDGET_S:-480}
+BUDGET_S=${BUDGET_S:-540}
 VENV=${VENV:-.venv-gpu}
 SYS_PY=${PYTHON:-python3}
 MODEL_DIR=${MODEL_DIR:-models/smollm2-135m-instruct}
 OUT_DIR=${OUT:-reports/gpu}
-BENCH_ENGINES=${BENCH_ENGINES:-native,hf}
+BENCH_ENGINES=${BENCH_ENGINES:-native,hf,vllm}
 read -r -a BENCH_ARGS <<<"${BENCH_ARGS:-}"
 CONVERT_MODEL=${CONVERT_MODEL:-1}
 DEVICE=${GPU_CHECK_DEVICE:-cuda}
@@ -127,9 +133,10 @@ fi
 say "model: $MODEL_DIR"
 
 # ---- 3. GPU tests ------------------------------------------------------------------------------
-say "pytest -m gpu tests/gpu ..."
+say "pytest -m gpu tests/gpu + tests/engine/test_triton_kernels.py ..."
 tests_rc=0
-GPU_TEST_MODEL="$MODEL_DIR" GPU_TEST_DEVICE="$DEVICE" timeout "$(budget 150 240)" "$PY" -m pytest -m gpu tests/gpu -q -rs -p no:cacheprovider \
+GPU_TEST_MODEL="$MODEL_DIR" GPU_TEST_DEVICE="$DEVICE" timeout "$(budget 210 240)" "$PY" -m pytest -m "gpu or not gpu" \
+    tests/gpu tests/engine/test_triton_kernels.py -q -rs -p no:cacheprovider \
     --junitxml "$OUT_DIR/gpu_tests.xml" 2>&1 | tee "$OUT_DIR/gpu_tests.log" || tests_rc=$?
 tests_line=$(grep -E '(passed|failed|error|skipped)' "$OUT_DIR/gpu_tests.log" | tail -n 1 || true)
 say "GPU tests: ${tests_line:-no summary} (exit $tests_rc)"
@@ -141,7 +148,17 @@ timeout "$(budget 15 300)" "$PY" loadtest/bench_engine.py --device "$DEVICE" --d
     --model "$MODEL_DIR" --out-dir "$OUT_DIR" --progress-s 5 "${BENCH_ARGS[@]}" 2>&1 | tee "$OUT_DIR/bench.log" || bench_rc=$?
 say "W1 exit $bench_rc"
 
-# ---- 5. summary --------------------------------------------------------------------------------
+# ---- 5. decode-step latency sweep ---------------------------------------------------------------
+read -r -a SWEEP_ARGS <<<"${SWEEP_ARGS:-}"
+say "decode-step sweep on $DEVICE (batch 1-256, CUDA graphs) ..."
+sweep_rc=0
+timeout "$(budget 30 150)" "$PY" loadtest/decode_sweep.py --device "$DEVICE" --model "$MODEL_DIR" --out-dir "$OUT_DIR" \
+    "${SWEEP_ARGS[@]}" 2>&1 | tee "$OUT_DIR/decode_sweep.log" || sweep_rc=$?
+timeout "$(budget 15 60)" "$PY" loadtest/decode_sweep.py --device "$DEVICE" --model "$MODEL_DIR" --out-dir "$OUT_DIR/eager" \
+    --enforce-eager --batch-sizes 1,64 --steps 20 "${SWEEP_ARGS[@]}" 2>&1 | tee -a "$OUT_DIR/decode_sweep.log" || true
+say "sweep exit $sweep_rc"
+
+# ---- 6. summary --------------------------------------------------------------------------------
 "$PY" - "$OUT_DIR" "$tests_rc" "$tests_line" "$MODEL_DIR" "$SECONDS" <<'EOF' | tee "$OUT_DIR/gpu_check_summary.md"
 import json, sys
 from pathlib import Path
@@ -151,27 +168,45 @@ print("\n## GPU check summary\n")
 print(f"GPU tests (pytest -m gpu tests/gpu): {'PASS' if tests_rc == 0 else 'FAIL'} - {tests_line or 'no summary'}")
 print(f"model: {model}{'  (RANDOM weights)' if (Path(model) / 'RANDOM_WEIGHTS').is_file() else ''}; total {elapsed} s\n")
 path = out / "engine_throughput.json"
+r = json.loads(path.read_text()) if path.is_file() else {"engines": {}}
 if not path.is_file():
     print("W1: no results (see bench.log)")
-    sys.exit(0)
-r = json.loads(path.read_text())
-w = r["workload"]
-print(f"W1 on {w['device']}: {w['num_requests']} x {w['prompt_len']} prompt x {w['output_len']} output tokens, {w['dtype']}\n")
-print("| engine | output tok/s | total tok/s | time (s) | peak GPU alloc (MiB) | vs HF |")
-print("|---|---|---|---|---|---|")
-for name, e in r["engines"].items():
-    if not e.get("runs"):
-        print(f"| {name} | {'skipped' if 'skipped' in e else 'FAILED'} | | | | |")
+else:
+    w = r["workload"]
+    print(f"W1 on {w['device']}: {w['num_requests']} x {w['prompt_len']} prompt x {w['output_len']} output tokens, {w['dtype']}\n")
+    print("| engine | output tok/s | total tok/s | time (s) | peak GPU alloc (MiB) | vs HF |")
+    print("|---|---|---|---|---|---|")
+    for name, e in r["engines"].items():
+        if not e.get("runs"):
+            print(f"| {name} | {'skipped' if 'skipped' in e else 'FAILED'} | | | | |")
+            continue
+        run = e["runs"][-1]
+        ratio = e.get("ratio_vs_baseline")
+        ratio = f"{ratio['median']:.2f}x" if ratio else ("1 (baseline)" if name == r["settings"]["baseline"] else "-")
+        gpu_mib = run.get("peak_gpu_allocated_mib", 0)
+        print(f"| {name} | {run['output_tok_s']:.0f} | {run['total_tok_s']:.0f} | {run['elapsed_s']:.1f} | {gpu_mib:.0f} | {ratio} |")
+native = r["engines"].get("native", {}).get("ratio_vs_baseline")
+if native:
+    print(f"\ntarget W1 native >= 5x HF static: {native['median']:.2f}x -> {'MET' if native['median'] >= 5 else 'NOT MET'}")
+for sub in (out, out / "eager"):
+    sweep = sub / "decode_sweep.json"
+    if not sweep.is_file():
+        print(f"\ndecode sweep ({sub.name}): no results (see decode_sweep.log)")
         continue
-    run = e["runs"][-1]
-    ratio = e.get("ratio_vs_baseline")
-    ratio = f"{ratio['median']:.2f}x" if ratio else ("1 (baseline)" if name == r["settings"]["baseline"] else "-")
-    gpu_mib = run.get("peak_gpu_allocated_mib", 0)
-    print(f"| {name} | {run['output_tok_s']:.0f} | {run['total_tok_s']:.0f} | {run['elapsed_s']:.1f} | {gpu_mib:.0f} | {ratio} |")
+    s = json.loads(sweep.read_text())
+    label = "CUDA graphs" if s["cuda_graphs"] else "no graphs"
+    print(f"\ndecode step ({label}, attention {s['attention_backend']}, context {s['context']}, "
+          f"copy bandwidth {s['copy_bandwidth_gb_s']:.0f} GB/s)\n")
+    print("| batch | step (ms) | floor (ms) | floor/step | tok/s |\n|---|---|---|---|---|")
+    for row in s["rows"]:
+        print(f"| {row['batch']} | {row['step_ms']:.3f} | {row['floor_ms']:.3f} | {100 * row['of_floor']:.0f}% | {row['tok_s']:.0f} |")
+    if label == "CUDA graphs" and s["rows"][0]["batch"] == 1:
+        ms = s["rows"][0]["step_ms"]
+        print(f"\ntarget batch-1 decode step <= 1 ms with CUDA graphs: {ms:.3f} ms -> {'MET' if ms <= 1 else 'NOT MET'}")
 EOF
 
-if ((tests_rc != 0 || bench_rc != 0)); then
-    say "FAILED (tests exit $tests_rc, W1 exit $bench_rc); logs in $OUT_DIR"
+if ((tests_rc != 0 || bench_rc != 0 || sweep_rc != 0)); then
+    say "FAILED (tests exit $tests_rc, W1 exit $bench_rc, sweep exit $sweep_rc); logs in $OUT_DIR"
     exit 1
 fi
 say "done in ${SECONDS}s; outputs in $OUT_DIR"

@@ -18,6 +18,8 @@ if TYPE_CHECKING:
 BatchingPolicy = Literal["continuous", "dynamic", "static"]
 BATCHING_POLICIES = ("continuous", "dynamic", "static")
 DTYPES = ("float32", "bfloat16", "float16")
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")
+DEFAULT_KV_CACHE_MEMORY_GIB = 1.0
 
 
 def _require(cond: bool, name: str, msg: str) -> None:
@@ -38,14 +40,20 @@ class ModelConfig:
     max_model_len: int = 0
     seed: int = 0
     served_model_name: str = ""
-    attention_backend: str = "auto"  # auto: the C++ kernel for CPU decodes when it builds; torch: reference path
+    # auto: on CPU the C++ decode kernel (when it builds); on CUDA FlashInfer when importable (16-bit dtypes), else Triton.
+    # torch: the reference path (gathers blocks, SDPA); triton / flashinfer: those kernels (CUDA; triton
+    # also runs on CPU under TRITON_INTERPRET=1, for tests)
+    attention_backend: str = "auto"
+    enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps
+    cuda_graph_max_batch_size: int = 256  # CUDA: decode steps up to this many sequences replay a captured graph
 
     def __post_init__(self) -> None:
         _require(bool(self.model), "model", "a model directory is required")
         _require(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
         _require(self.device == "cpu" or self.device.startswith("cuda"), "device", f"cpu or cuda[:N], got {self.device!r}")
         _require(self.max_model_len >= 0, "max_model_len", "must be >= 0")
-        _require(self.attention_backend in ("auto", "torch"), "attention_backend", "must be 'auto' or 'torch'")
+        _require(self.attention_backend in ATTENTION_BACKENDS, "attention_backend", f"must be one of {ATTENTION_BACKENDS}")
+        _require(self.cuda_graph_max_batch_size >= 1, "cuda_graph_max_batch_size", "must be >= 1")
 
     @property
     def name(self) -> str:
@@ -62,18 +70,29 @@ class ModelConfig:
 class CacheConfig:
     """Paged KV cache geometry.
 
-    `num_blocks` 0 means: as many blocks as fit in `kv_cache_memory_gib`.
+    `num_blocks` 0 means: as many blocks as fit in `kv_cache_memory_gib` (unset: 1 GiB), or, on CUDA
+    with `gpu_memory_utilization` set (a fraction of the GPU's memory, as vLLM's), in what that
+    fraction leaves after the weights and the peak activations of a profiling forward pass.
     """
 
     block_size: int = 16
     num_blocks: int = 0
-    kv_cache_memory_gib: float = 1.0
+    kv_cache_memory_gib: float | None = None
+    gpu_memory_utilization: float = 0.0  # 0: not used
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         _require(self.block_size in (8, 16, 32, 64, 128), "block_size", "must be one of 8, 16, 32, 64, 128")
         _require(self.num_blocks >= 0, "num_blocks", "must be >= 0")
-        _require(self.kv_cache_memory_gib > 0, "kv_cache_memory_gib", "must be > 0")
+        _require(self.kv_cache_memory_gib is None or self.kv_cache_memory_gib > 0, "kv_cache_memory_gib", "must be > 0")
+        _require(0 <= self.gpu_memory_utilization < 1, "gpu_memory_utilization", "must be in [0, 1) (0: use kv_cache_memory_gib)")
+        _require(not (self.gpu_memory_utilization and self.kv_cache_memory_gib is not None),
+                 "gpu_memory_utilization, kv_cache_memory_gib", "set one of them, not both")
+
+    @property
+    def kv_cache_gib(self) -> float:
+        """The fixed KV budget (when `gpu_memory_utilization` is not used)."""
+        return DEFAULT_KV_CACHE_MEMORY_GIB if self.kv_cache_memory_gib is None else self.kv_cache_memory_gib
 
 
 @dataclass(frozen=True)
@@ -229,6 +248,9 @@ class ServeConfig:
         _require(self.backend in BACKENDS or ":" in self.backend, "backend",
                  f"must be one of {BACKENDS} or a 'module:Class' import path, got {self.backend!r}")
         self.backend_options()  # validates the engine options (names and values) for the backend
+        if self.backend == "vllm" and self.vllm_options().world_size > 1:
+            _require(not self.num_gpus_per_replica, "num_gpus_per_replica", "leave it unset with tensor_parallel_size or "
+                     "pipeline_parallel_size > 1: the replica's placement group holds one device per rank")
         for name in ("num_replicas", "ingress_num_replicas", "max_ongoing_requests", "ingress_max_ongoing_requests", "max_n",
                      "max_prompts_per_request"):
             _require(isinstance(getattr(self, name), int) and getattr(self, name) >= 1, name, "must be an integer >= 1")

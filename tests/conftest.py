@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL_DIR = REPO / "models" / "smollm2-135m-instruct"
@@ -21,6 +23,16 @@ def pytest_collection_modifyitems(config, items) -> None:
         if not marker.kwargs.get("reason"):
             raise pytest.UsageError(f"{item.nodeid}: @pytest.mark.startup needs reason=... (why start-up timing matters)")
         item.add_marker(pytest.mark.flaky(reruns=1, reruns_delay=5))
+
+
+def pytest_configure(config):
+    """Without a GPU, the Triton kernels' tests (tests/engine/test_triton_kernels.py) run them in
+    Triton's interpreter. Triton reads TRITON_INTERPRET when it is first imported, and transformers
+    imports it, so it is set here, before any test module loads; not for a session that selects the
+    vLLM tests (vLLM imports Triton too, and they never run our kernels)."""
+    selects_vllm = "vllm" in (config.option.markexpr or "").replace("not vllm", "")
+    if not torch.cuda.is_available() and not selects_vllm:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session", autouse=True)

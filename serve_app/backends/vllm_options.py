@@ -12,6 +12,11 @@ Sizing the KV cache: `kv_cache_memory_gib` (CPU and GPU; vLLM's `kv_cache_memory
 `gpu_memory_utilization` > 0 on a GPU, which lets vLLM size it from the free GPU memory instead.
 On CPU `cpu_reserved_cores` is `VLLM_CPU_NUM_OF_RESERVED_CPU` (0: the engine's OpenMP threads use
 every core; vLLM's default reserves one).
+
+Larger models: `tensor_parallel_size` x `pipeline_parallel_size` ranks serve one replica's model
+(vLLM's Ray executor, one GPU per rank on CUDA). The ranks' devices come from the replica's
+placement group (`serving.placement`), as Ray Serve LLM does it: Ray reserves them together with
+the replica, and vLLM's executor finds that placement group and starts its workers in it.
 """
 
 from __future__ import annotations
@@ -45,6 +50,8 @@ class VLLMOptions:
     gpu_memory_utilization: float = 0.0
     enforce_eager: bool = False  # True: no torch.compile / CUDA graphs (start ≈ 35 s instead of ≈ 120 s on CPU)
     cpu_reserved_cores: int = 0
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
     engine_args: tuple[tuple[str, Any], ...] = ()  # other vllm.AsyncEngineArgs fields, passed through
 
     def __post_init__(self) -> None:
@@ -52,7 +59,7 @@ class VLLMOptions:
         object.__setattr__(self, "engine_args", tuple(sorted((str(k), v) for k, v in extra)))
         _require(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
         _require(self.device in ("cpu", "cuda"), "device", f"cpu or cuda (the GPU Ray assigned), got {self.device!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size", "pipeline_parallel_size"):
             _require(isinstance(getattr(self, name), int) and getattr(self, name) >= 1, name, "must be an integer >= 1")
         for name in ("max_model_len", "block_size", "cpu_reserved_cores"):
             _require(isinstance(getattr(self, name), int) and getattr(self, name) >= 0, name, "must be an integer >= 0")
@@ -71,6 +78,11 @@ class VLLMOptions:
         for key in kwargs:
             _require(key in known, key, f"not a vLLM backend option (known: {', '.join(sorted(known))})")
         return cls(**kwargs)
+
+    @property
+    def world_size(self) -> int:
+        """Engine ranks (devices) one replica uses."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     @property
     def effective_block_size(self) -> int:
@@ -95,6 +107,9 @@ class VLLMOptions:
         }
         if self.max_model_len:
             args["max_model_len"] = self.max_model_len
+        if self.world_size > 1:  # ranks as Ray actors in the replica's placement group
+            args.update(tensor_parallel_size=self.tensor_parallel_size, pipeline_parallel_size=self.pipeline_parallel_size,
+                        distributed_executor_backend="ray")
         if self.block_size:
             args["block_size"] = self.block_size
         if self.gpu_memory_utilization:

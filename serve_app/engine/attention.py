@@ -11,12 +11,15 @@ then each prompt chunk's tokens. Every layer writes the new K/V through `slot_ma
 
 On CPU the decode part runs a C++ kernel (`cpu_kernels.paged_decode`) that reads the blocks in place;
 elsewhere (and as the reference) it gathers the blocks and calls `scaled_dot_product_attention`.
+A step may instead carry a whole-step implementation (`impl`: the Triton kernels or FlashInfer, on
+CUDA) that reads every sequence, decode or prompt chunk, in place through the step's block tables.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +45,10 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool (reference path)
     prefills: tuple[PrefillChunk, ...]
     decode_kernel: Callable | None = None  # C++ kernel (CPU) or None for the reference path
+    # impl(q, k, v, k_cache, v_cache, step, scale) -> [T, H, D] replaces all of the above (a varlen
+    # backend over `step`, an input_batch.StepInputs)
+    impl: Callable | None = None
+    step: Any = None
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -68,6 +75,8 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:
     """Returns [T, H, D]."""
+    if meta.impl is not None:
+        return meta.impl(q, k, v, k_cache, v_cache, meta.step, scale)
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]

@@ -6,8 +6,10 @@
   thousands of tiny attention problems. fp32 accumulation.
 - `rms_norm_bf16` (csrc/rms_norm.cpp): one pass per row instead of torch's chain of ops, with HF's
   rounding.
+- `add_rms_norm_bf16` (csrc/fused_ops.cpp): residual add + RMSNorm in one pass (the residual
+  updated in place), bit-identical to the pair it replaces.
 
-`paged_decode_kernel()` / `rms_norm_bf16_op()` return the op, or None (with a warning, once) when the
+`paged_decode_kernel()` / `rms_norm_bf16_op()` / `add_rms_norm_bf16_op()` return the op, or None (with a warning, once) when the
 extension cannot be built; callers then use the torch path. `python -m serve_app.engine.cpu_kernels`
 builds it ahead of time (make install does).
 """
@@ -61,6 +63,11 @@ def paged_decode_kernel():
 def rms_norm_bf16_op():
     ext = _extension()
     return None if ext is None else ext.rms_norm_bf16
+
+
+def add_rms_norm_bf16_op():
+    ext = _extension()
+    return None if ext is None else ext.add_rms_norm_bf16
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         hf_config = config.model.hf_config()
-        self.model_runner = ModelRunner(config.model, config.cache, hf_config)
+        self.model_runner = ModelRunner(config.model, config.cache, hf_config, config.scheduler)
         args = self.model_runner.args
         block_size = config.cache.block_size
         num_blocks = self.model_runner.num_blocks

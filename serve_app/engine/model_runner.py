@@ -13,10 +13,13 @@ from typing import Any
 
 import torch
 
-from serve_app.config import CacheConfig, ModelConfig
+from serve_app.config import CacheConfig, ModelConfig, SchedulerConfig
 from serve_app.engine import cpu_kernels
 from serve_app.engine.attention import AttentionMetadata, PrefillChunk
+from serve_app.engine.attention_backends import make_varlen_attention, resolve_backend
+from serve_app.engine.input_batch import InputBatch
 from serve_app.engine.logprobs import sampled_logprobs
+from serve_app.engine.memory_profile import kv_cache_budget_bytes
 from serve_app.engine.models.llama import LlamaArgs
 from serve_app.engine.models.loader import load_model
 from serve_app.engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
@@ -33,7 +36,9 @@ def kv_cache_bytes_per_block(args: LlamaArgs, block_size: int, dtype: torch.dtyp
 
 
 class ModelRunner:
-    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, hf_config: dict[str, Any]) -> None:
+    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, hf_config: dict[str, Any],
+                 scheduler_config: SchedulerConfig | None = None) -> None:
+        scheduler_config = scheduler_config or SchedulerConfig()
         self.device = torch.device(model_config.device)
         self.dtype = DTYPES[model_config.dtype]
         self.block_size = cache_config.block_size
@@ -41,11 +46,20 @@ class ModelRunner:
         self.model = load_model(model_config.model, hf_config, self.dtype, model_config.device)
         self.args = self.model.args
         self.packed_weights = self.model.pack_linear_weights()
-        use_cpu_ops = self.device.type == "cpu" and model_config.attention_backend == "auto"
+        self.backend = resolve_backend(model_config.attention_backend, self.device, self.dtype)
+        use_cpu_ops = self.backend == "cpu_kernel"
         if use_cpu_ops and self.dtype == torch.bfloat16:
             self.model.use_rms_norm_op(cpu_kernels.rms_norm_bf16_op())
+            self.model.use_add_rms_norm_op(cpu_kernels.add_rms_norm_bf16_op())
         per_block = kv_cache_bytes_per_block(self.args, self.block_size, self.dtype)
-        self.num_blocks = cache_config.num_blocks or int(cache_config.kv_cache_memory_gib * 2**30 // per_block)
+        if cache_config.gpu_memory_utilization:
+            if self.device.type != "cuda":
+                raise ValueError("gpu_memory_utilization: only for CUDA devices (use kv_cache_memory_gib)")
+            budget = kv_cache_budget_bytes(self.model, cache_config.gpu_memory_utilization, scheduler_config.max_num_batched_tokens,
+                                           scheduler_config.max_num_seqs, self.block_size, self.device)
+        else:
+            budget = cache_config.kv_cache_gib * 2**30
+        self.num_blocks = cache_config.num_blocks or int(budget // per_block)
         if self.num_blocks < 1:
             raise ValueError("kv_cache_memory_gib: too small for a single KV block")
         shape = (self.num_blocks, self.block_size, self.args.num_kv_heads, self.args.head_dim)
@@ -56,64 +70,80 @@ class ModelRunner:
         self.kv_cache_bytes = per_block * self.num_blocks
         self.decode_kernel = cpu_kernels.paged_decode_kernel() if use_cpu_ops else None
         self.generator = torch.Generator(device=self.device).manual_seed(model_config.seed)
+        # triton / flashinfer: one implementation for every sequence of a step, over persistent inputs
+        self.varlen = None
+        self.input_batch = InputBatch(self.block_size, self.device)
+        self.decode_graphs = None
+        if self.backend in ("triton", "flashinfer"):
+            self.varlen = make_varlen_attention(self.backend, self.args, self.block_size, self.dtype, self.device)
+        if self.device.type == "cuda" and self.backend != "torch" and not model_config.enforce_eager:
+            from serve_app.engine.cuda_graphs import DecodeGraphs
+
+            max_len = min(self.args.max_position_embeddings, self.num_blocks * self.block_size)
+            self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, min(model_config.cuda_graph_max_batch_size,
+                                              scheduler_config.max_num_seqs), -(-max_len // self.block_size), self.device)
+            self.decode_graphs.capture()
         logger.info(
-            "model loaded in %.1fs: %d layers, KV cache %d blocks x %d tokens (%.0f MiB), decode kernel: %s, weights: %s",
+            "model loaded in %.1fs: %d layers, KV cache %d blocks x %d tokens (%.0f MiB), attention: %s%s, weights: %s",
             time.monotonic() - t0, self.args.num_layers, self.num_blocks, self.block_size,
-            self.kv_cache_bytes / 2**20, "C++" if self.decode_kernel else "torch",
+            self.kv_cache_bytes / 2**20, self.backend, " + decode CUDA graphs" if self.decode_graphs else "",
             "oneDNN packed" if self.packed_weights else "dense",
         )
 
     def _tensor(self, data: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype, device=self.device)
 
-    def _slots(self, sched: ScheduledRequest) -> list[int]:
-        bs, table = self.block_size, sched.block_table
-        return [table[p // bs] * bs + p % bs for p in range(sched.start_pos, sched.context_len)]
-
     def prepare(self, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """`scheduled` must list single-token chunks (decodes) first."""
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        decodes = [s for s in scheduled if s.num_tokens == 1]
-        for s in scheduled:
-            input_ids.extend(s.token_ids)
-            positions.extend(range(s.start_pos, s.context_len))
-            slots.extend(self._slots(s))
+        """Inputs for the decode-kernel / reference paths. `scheduled` must list single-token chunks
+        (decodes) first."""
+        step = self.input_batch.build(scheduled)
+        b = next((i for i, s in enumerate(scheduled) if s.num_tokens != 1), len(scheduled))
         block_tables = context_lens = mask = None
-        if decodes:
-            max_blocks = max(len(s.block_table) for s in decodes)
-            block_tables = self._tensor([list(s.block_table) + [0] * (max_blocks - len(s.block_table)) for s in decodes])
-            context_lens = self._tensor([s.context_len for s in decodes], torch.int32)
+        if b:
+            max_blocks = max(len(s.block_table) for s in scheduled[:b])
+            block_tables = step.block_tables[:b, :max_blocks].to(torch.long, memory_format=torch.contiguous_format)
+            context_lens = step.seq_lens[:b]
             if self.decode_kernel is None:
                 keys = torch.arange(max_blocks * self.block_size, device=self.device)
-                mask = (keys.unsqueeze(0) < context_lens.unsqueeze(1)).view(len(decodes), 1, 1, -1)
+                mask = (keys.unsqueeze(0) < context_lens.unsqueeze(1)).view(b, 1, 1, -1)
         prefills = []
-        offset = len(decodes)
-        for s in scheduled[len(decodes) :]:
+        starts = step.host_query_start_loc
+        for i in range(b, len(scheduled)):
+            s = scheduled[i]
             table = chunk_mask = None
             if s.start_pos > 0:
-                table = self._tensor(list(s.block_table))
+                table = step.block_tables[i, : len(s.block_table)].long()
                 q_pos = torch.arange(s.start_pos, s.context_len, device=self.device)
                 chunk_mask = torch.arange(s.context_len, device=self.device).unsqueeze(0) <= q_pos.unsqueeze(1)
-            prefills.append(PrefillChunk(offset, s.num_tokens, s.start_pos, table, chunk_mask))
-            offset += s.num_tokens
+            prefills.append(PrefillChunk(int(starts[i]), s.num_tokens, s.start_pos, table, chunk_mask))
         meta = AttentionMetadata(
-            slot_mapping=self._tensor(slots),
-            num_decodes=len(decodes),
+            slot_mapping=step.slot_mapping,
+            num_decodes=b,
             decode_block_tables=block_tables,
             decode_context_lens=context_lens,
             decode_mask=mask,
             prefills=tuple(prefills),
             decode_kernel=self.decode_kernel,
         )
-        return self._tensor(input_ids), self._tensor(positions), meta
+        return step.input_ids, step.positions, meta
+
+    def _forward(self, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(hidden [T, hidden], None) or, for a step that replayed a decode CUDA graph, (None, logits [T, vocab])."""
+        if self.varlen is None:  # (decode graphs come only with a varlen backend)
+            input_ids, positions, meta = self.prepare(scheduled)
+            return self.model(input_ids, positions, self.kv_caches, meta), None
+        step = self.input_batch.build(scheduled)
+        if self.decode_graphs is not None and self.decode_graphs.can_run(step):
+            return None, self.decode_graphs.run(step)
+        self.varlen.plan(step)
+        meta = AttentionMetadata(slot_mapping=step.slot_mapping, num_decodes=0, decode_block_tables=None, decode_context_lens=None,
+                                 decode_mask=None, prefills=(), impl=self.varlen, step=step)
+        return self.model(step.input_ids, step.positions, self.kv_caches, meta), None
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         scheduled = sorted(scheduler_output.scheduled, key=lambda s: s.num_tokens != 1)  # stable: decodes first
-        input_ids, positions, meta = self.prepare(scheduled)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        hidden, graph_logits = self._forward(scheduled)
         rows, samplers = [], []
         end = 0
         for s in scheduled:
@@ -123,7 +153,10 @@ class ModelRunner:
                 samplers.append(s)
         if not samplers:
             return ModelRunnerOutput((), ())
-        logits = self.model.compute_logits(hidden[self._tensor(rows)])
+        computed = hidden if hidden is not None else graph_logits
+        # rows are increasing: as many as computed means all of them (no index tensor to send over)
+        picked = computed if len(rows) == computed.shape[0] else computed[self._tensor(rows)]
+        logits = picked if hidden is None else self.model.compute_logits(picked)
         params = [s.sampling_params for s in samplers]
         processed = process_logits(logits, params, [s.prompt_token_ids for s in samplers],
                                    [s.output_token_ids for s in samplers], [s.blocked_token_ids for s in samplers])

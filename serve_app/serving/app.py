@@ -18,6 +18,7 @@ from ray.serve.config import RequestRouterConfig
 from serve_app.config import ServeConfig
 from serve_app.serving.ingress import OpenAIIngress
 from serve_app.serving.llm_server import ABORT_GRACE_S, LLMServer
+from serve_app.serving.placement import replica_placement
 from serve_app.serving.routing_policy import ROUTER_CLASSES
 
 logger = logging.getLogger(__name__)
@@ -56,15 +57,13 @@ def request_router_config(config: ServeConfig) -> RequestRouterConfig:
 
 
 def build_app_from_config(config: ServeConfig) -> Application:
-    actor_options: dict[str, Any] = {"num_cpus": config.num_cpus_per_replica}
-    if config.num_gpus_per_replica:
-        actor_options["num_gpus"] = config.num_gpus_per_replica
+    placement = replica_placement(config)
     autoscaling = config.autoscaling_settings()
     # autoscaling: Serve scales between min and max replicas on load; otherwise a fixed count
     scaling = {"autoscaling_config": autoscaling.to_serve()} if autoscaling else {"num_replicas": config.num_replicas}
     server = LLMServer.options(
         **scaling,
-        ray_actor_options=actor_options,
+        **placement,
         max_ongoing_requests=config.max_ongoing_requests,
         max_queued_requests=config.max_queued_requests,
         request_router_config=request_router_config(config),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -14,6 +15,7 @@ from serve_app.config import ServeConfig
 from serve_app.serving.app import request_router_config
 
 MODEL = "models/smollm2-135m-instruct"
+REPO = Path(__file__).resolve().parents[2]
 
 
 def vllm_config(**engine) -> ServeConfig:
@@ -80,3 +82,42 @@ def test_the_serving_layer_and_the_backend_module_never_import_vllm():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_tensor_parallel_placement_group():
+    """tensor_parallel_size ranks: one bundle for the replica, one device bundle per rank, one node."""
+    from serve_app.serving.placement import replica_placement
+
+    config = ServeConfig(model=MODEL, backend="vllm", num_cpus_per_replica=2,
+                         engine={"device": "cuda", "tensor_parallel_size": 2, "pipeline_parallel_size": 2})
+    assert replica_placement(config) == {
+        "ray_actor_options": {"num_cpus": 2},
+        "placement_group_bundles": [{"CPU": 2}, {"GPU": 1}, {"GPU": 1}, {"GPU": 1}, {"GPU": 1}],
+        "placement_group_strategy": "STRICT_PACK",
+    }
+    args = config.vllm_options().async_engine_args("/m", "m")
+    assert (args["tensor_parallel_size"], args["pipeline_parallel_size"], args["distributed_executor_backend"]) == (2, 2, "ray")
+    cpu = ServeConfig(model=MODEL, backend="vllm", num_cpus_per_replica=0.5, engine={"tensor_parallel_size": 2})
+    assert replica_placement(cpu)["placement_group_bundles"] == [{"CPU": 0.5}, {"CPU": 1}, {"CPU": 1}]
+    single = ServeConfig(model=MODEL, backend="vllm", num_gpus_per_replica=1, engine={"device": "cuda"})
+    assert replica_placement(single) == {"ray_actor_options": {"num_cpus": 0.5, "num_gpus": 1}}
+    assert "tensor_parallel_size" not in single.vllm_options().async_engine_args("/m", "m")
+    with pytest.raises(ValueError, match="^num_gpus_per_replica:"):
+        ServeConfig(model=MODEL, backend="vllm", num_gpus_per_replica=1, engine={"device": "cuda", "tensor_parallel_size": 2})
+    with pytest.raises(ValueError, match="^tensor_parallel_size:"):
+        vllm_config(tensor_parallel_size=0)
+
+
+def test_tp_yaml_builds_an_app_with_the_placement_group():
+    """configs/vllm-gpu-tp.yaml through the real app builder (no Ray cluster needed to build)."""
+    import yaml
+
+    from serve_app.serving.app import build_app
+
+    spec = yaml.safe_load((REPO / "configs" / "vllm-gpu-tp.yaml").read_text())["applications"][0]
+    app = build_app(spec["args"])
+    server = app._bound_deployment.init_args[0]  # the ingress is bound to the LLMServer application
+    deployment = server._bound_deployment
+    assert deployment._replica_config.placement_group_bundles == [{"CPU": 2}, {"GPU": 1}, {"GPU": 1}]
+    assert deployment._replica_config.placement_group_strategy == "STRICT_PACK"
+    assert "num_gpus" not in deployment._replica_config.ray_actor_options

@@ -4,8 +4,10 @@
 void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                   torch::Tensor block_tables, torch::Tensor context_lens, double scale);
 torch::Tensor rms_norm_bf16(torch::Tensor x, torch::Tensor weight, double eps);
+torch::Tensor add_rms_norm_bf16(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention (CPU)");
   m.def("rms_norm_bf16", &rms_norm_bf16, "RMSNorm, bf16 in and out, HF's rounding (CPU)");
+  m.def("add_rms_norm_bf16", &add_rms_norm_bf16, "residual += x (in place), then RMSNorm of it (bf16, CPU)");
 }

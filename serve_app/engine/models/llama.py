@@ -123,10 +123,23 @@ class LlamaForCausalLM(nn.Module):
         self._linear = F.linear
         self._lm_head_packed: torch.Tensor | None = None
         self._rms_norm_op = None  # (x, weight, eps) -> normed, replacing F.rms_norm (bf16 CPU op)
+        self._add_rms_norm_op = None  # (x, residual, weight, eps) -> normed, residual += x in place (bf16 CPU op)
 
     def use_rms_norm_op(self, op) -> None:
         """Normalize with `op(x, weight, eps)` (e.g. the C++ bf16 CPU op) instead of F.rms_norm."""
         self._rms_norm_op = op
+
+    def use_add_rms_norm_op(self, op) -> None:
+        """Add to the residual and normalize with `op(x, residual, weight, eps)` (the C++ bf16 CPU op,
+        which updates `residual` in place); same results as the add and the norm apart."""
+        self._add_rms_norm_op = op
+
+    def _add_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x); the fused op updates `residual` in place."""
+        if self._add_rms_norm_op is not None:
+            return self._add_rms_norm_op(x, residual, weight, self.args.rms_norm_eps), residual
+        residual = residual + x
+        return self._norm(residual, weight), residual
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if self._rms_norm_op is not None:
@@ -179,21 +192,22 @@ class LlamaForCausalLM(nn.Module):
         cos = self._cos[positions].unsqueeze(1)  # [T, 1, D]
         sin = self._sin[positions].unsqueeze(1)
         hidden = F.embedding(input_ids, self.embed)  # [T, hidden]
+        residual = None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            residual = hidden
-            x = self._norm(hidden, layer.input_norm)
+            if residual is None:
+                residual, x = hidden, self._norm(hidden, layer.input_norm)
+            else:  # the previous layer's MLP output joins the residual stream here
+                x, residual = self._add_norm(hidden, residual, layer.input_norm)
             qkv = self._linear(x, layer.qkv, layer.qkv_bias)  # [T, q + 2 kv]
             # q and k heads rotate together (one set of ops for both)
             qk = self._rope(qkv[:, : q_size + kv_size].view(num_tokens, a.num_heads + a.num_kv_heads, a.head_dim), cos, sin)
             q, k = qk[:, : a.num_heads], qk[:, a.num_heads :]
             v = qkv[:, q_size + kv_size :].view(num_tokens, a.num_kv_heads, a.head_dim)
             attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)  # [T, H, D]
-            hidden = residual + self._linear(attn.view(num_tokens, q_size), layer.o)
-            residual = hidden
-            x = self._norm(hidden, layer.post_norm)
+            x, residual = self._add_norm(self._linear(attn.view(num_tokens, q_size), layer.o), residual, layer.post_norm)
             gate, up = self._linear(x, layer.gate_up).chunk(2, dim=-1)
-            hidden = residual + self._linear(F.silu(gate) * up, layer.down)
-        return hidden
+            hidden = self._linear(F.silu(gate) * up, layer.down)
+        return residual + hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[S, hidden] → fp32 logits [S, vocab]."""

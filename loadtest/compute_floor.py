@@ -1,0 +1,92 @@
+"""The compute floor of a W1 run: its FLOPs at the machine's measured matmul rate.
+
+FLOPs (multiply-adds count 2): every token of the run goes through the decoder's projections
+(q/k/v, o, gate/up, down) and attends over its context (QK^T and PV: 4 x context x heads x head_dim
+per layer); the lm_head runs once per sampled token (a prompt's last token, then every decode).
+Prefill tokens are counted at the rate of a `prefill_rows`-row matmul (the step token budget), decode
+tokens at a `decode_rows`-row one (the batch), each measured here with the model's own projection
+shapes in its dtype (on CPU in bf16 oneDNN with packed weights, as the engine runs them), after warm-up, best of `repeats`. Attention FLOPs are
+charged at the same rate, so the floor is optimistic: no engine can beat it on this machine.
+
+`measure(...)` runs in the benchmark's own worker process, with the engines' thread count.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+
+def w1_flops(cfg: dict[str, Any], num_requests: int, prompt_len: int, output_len: int) -> dict[str, float]:
+    hidden, inter, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or hidden // heads
+    kv = (cfg.get("num_key_value_heads") or heads) * head_dim
+    q = heads * head_dim
+    per_token = 2 * layers * (hidden * (q + 2 * kv) + q * hidden + hidden * 2 * inter + inter * hidden)
+    head = 2 * hidden * cfg["vocab_size"]
+    attn_per_ctx = 4 * layers * heads * head_dim  # per (query, key) pair
+    # the prompt token at position p attends over p + 1 keys; decode step i (1-based) feeds the token at
+    # position prompt_len + i - 1, which attends over prompt_len + i keys
+    prefill = num_requests * (prompt_len * per_token + head + attn_per_ctx * prompt_len * (prompt_len + 1) / 2)
+    decodes = output_len - 1
+    decode_ctx = sum(prompt_len + i for i in range(1, decodes + 1))
+    decode = num_requests * (decodes * (per_token + head) + attn_per_ctx * decode_ctx)
+    return {"prefill_flops": prefill, "decode_flops": decode}
+
+
+def matmul_rate(cfg: dict[str, Any], rows: int, dtype_name: str, device: str, repeats: int = 5, with_head: bool = True) -> float:
+    """FLOP/s of one pass over the model's projection shapes (one layer, + the lm_head when
+    `with_head`: decode steps run it on every row, prefill steps on one row per prompt) at `rows` rows."""
+    import torch
+    import torch.nn.functional as F
+
+    dtype = getattr(torch, dtype_name)
+    hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or hidden // heads
+    q, kv = heads * head_dim, (cfg.get("num_key_value_heads") or heads) * head_dim
+    shapes = [(hidden, q + 2 * kv), (q, hidden), (hidden, 2 * inter), (inter, hidden)] + ([(hidden, cfg["vocab_size"])] if with_head else [])
+    mats = [(torch.randn(rows, k, device=device).to(dtype), torch.randn(n, k, device=device).to(dtype)) for k, n in shapes]
+    flops = sum(2 * rows * k * n for k, n in shapes)
+    linear = F.linear
+    if device == "cpu" and dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        # the engine's own matmul: oneDNN with weights packed once (faster than F.linear's per-call packing)
+        mats = [(x, torch.ops.mkldnn._reorder_linear_weight(w, None)) for x, w in mats]
+
+        def linear(x, w):
+            return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+
+    def sync() -> None:
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+
+    best = float("inf")
+    with torch.inference_mode():
+        for _ in range(repeats + 1):  # the first pass warms up
+            sync()
+            t0 = time.perf_counter()
+            for x, w in mats:
+                linear(x, w)
+            sync()
+            best = min(best, time.perf_counter() - t0)
+    return flops / best
+
+
+def measure(cfg: dict[str, Any], opts: dict[str, Any]) -> dict[str, Any]:
+    """The floor of this W1 run: its FLOPs, the two rates, the floor time and output tok/s."""
+    flops = w1_flops(cfg, opts["num_requests"], opts["prompt_len"], opts["output_len"])
+    decode_rows = min(opts["num_requests"], opts["max_num_seqs"])
+    prefill_rows = min(opts["num_requests"] * opts["prompt_len"], opts["max_num_batched_tokens"])
+    decode_rate = matmul_rate(cfg, decode_rows, opts["dtype"], opts["device"])
+    prefill_rate = matmul_rate(cfg, prefill_rows, opts["dtype"], opts["device"], with_head=False)
+    floor_s = flops["prefill_flops"] / prefill_rate + flops["decode_flops"] / decode_rate
+    return {
+        **flops,
+        "decode_rows": decode_rows,
+        "prefill_rows": prefill_rows,
+        "decode_tflop_s": decode_rate / 1e12,
+        "prefill_tflop_s": prefill_rate / 1e12,
+        "floor_s": floor_s,
+        "floor_output_tok_s": opts["num_requests"] * opts["output_len"] / floor_s,
+    }

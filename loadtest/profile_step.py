@@ -1,0 +1,126 @@
+"""Per-op time breakdown of the engine's steps at W1's shapes (torch.profiler), fused op on and off.
+
+Two steps of the model runner alone, as W1 has them: a decode step of 64 sequences at context 192
+(the middle of W1's decodes), and a prefill step of 16 prompts x 128 tokens (W1's 2,048-token
+budget). For each, `--steps` profiled steps (after warm-up): every op's self CPU time per step,
+its calls per step and its share of the step's wall time, top ops first (the C++ extension's ops
+appear as `cpp::*`); the same with the fused residual add + RMSNorm turned off (the add and the norm
+apart), so the table shows what fusion removed. The two configurations alternate; each keeps its fastest round.
+
+    python loadtest/profile_step.py                       # -> reports/profile_cpu.{md,json}
+    python loadtest/profile_step.py --quick               # -> build/profile-quick/
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "loadtest"))
+
+from decode_sweep import decode_batch  # noqa: E402
+
+from serve_app.config import EngineConfig  # noqa: E402
+from serve_app.engine.model_runner import ModelRunner  # noqa: E402
+from serve_app.engine.outputs import ScheduledRequest, SchedulerOutput  # noqa: E402
+from serve_app.types import SamplingParams  # noqa: E402
+
+
+def prefill_batch(num_prompts: int, prompt_len: int, block_size: int, first_block: int) -> SchedulerOutput:
+    nb = -(-prompt_len // block_size)
+    greedy = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
+    scheduled = tuple(
+        ScheduledRequest(f"p{i}", tuple(range(100, 100 + prompt_len)), 0, tuple(range(first_block + i * nb, first_block + (i + 1) * nb)),
+                         True, True, greedy, None)
+        for i in range(num_prompts)
+    )
+    return SchedulerOutput(scheduled, num_prompts * prompt_len)
+
+
+def labeled(name: str, fn):
+    """The C++ extension's ops are not dispatcher ops: name them for the profiler."""
+    if fn is None:
+        return None
+
+    def call(*args):
+        with record_function(name):
+            return fn(*args)
+
+    return call
+
+
+def breakdown(runner: ModelRunner, batch: SchedulerOutput, steps: int, top: int) -> dict:
+    for _ in range(2):
+        runner.execute_model(batch)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            runner.execute_model(batch)
+        wall = (time.perf_counter() - t0) / steps
+    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    ops = [{"op": e.key, "ms_per_step": e.self_cpu_time_total / 1e3 / steps, "calls_per_step": e.count / steps,
+            "share": e.self_cpu_time_total / 1e6 / steps / wall} for e in events[:top]]
+    calls = sum(e.count for e in events) / steps
+    return {"step_ms": wall * 1e3, "op_calls_per_step": calls, "ops": ops}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="models/smollm2-135m-instruct")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--top", type=int, default=15)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--out-dir")
+    p.add_argument("--quick", action="store_true", help="3 steps, decode batch 16, prefill 4 x 128")
+    args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out_dir = Path(args.out_dir or ("build/profile-quick" if args.quick else "reports"))
+    steps, decode_b, prefill_n = (3, 16, 4) if args.quick else (args.steps, 64, 16)
+    load_avg = os.getloadavg()
+    cfg = EngineConfig.from_kwargs(args.model, dtype="bfloat16", num_blocks=decode_b * 12 + prefill_n * 8 + 1)
+    runner = ModelRunner(cfg.model, cfg.cache, cfg.model.hf_config(), cfg.scheduler)
+    model = runner.model
+    fused_op = labeled("cpp::add_rms_norm", model._add_rms_norm_op)
+    model._rms_norm_op = labeled("cpp::rms_norm", model._rms_norm_op)
+    runner.decode_kernel = labeled("cpp::paged_decode", runner.decode_kernel)
+    shapes = {"decode": decode_batch(decode_b, 192, 16), "prefill": prefill_batch(prefill_n, 128, 16, decode_b * 12)}
+    result = {"command": " ".join(["python", "loadtest/profile_step.py", *sys.argv[1:]]), "threads": torch.get_num_threads(),
+              "load_avg_at_start": [round(x, 2) for x in load_avg], "decode_batch": decode_b, "prefill": f"{prefill_n} x 128",
+              "runs": {}}
+    # alternate the two configurations and keep each one's fastest round: the machine is shared
+    for _ in range(1 if args.quick else 2):
+        for name, batch in shapes.items():
+            for fused in (True, False):
+                runner.model.use_add_rms_norm_op(fused_op if fused else None)
+                key = f"{name} ({'fused' if fused else 'unfused'})"
+                run = breakdown(runner, batch, steps, args.top)
+                print(f"[profile] {key}: {run['step_ms']:.1f} ms/step, {run['op_calls_per_step']:.0f} op calls/step", flush=True)
+                if key not in result["runs"] or run["step_ms"] < result["runs"][key]["step_ms"]:
+                    result["runs"][key] = run
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "profile_cpu.json").write_text(json.dumps(result, indent=2) + "\n")
+    lines = ["# Per-op time breakdown of engine steps (CPU, bf16)", "", f"`{result['command']}`", "",
+             f"{result['threads']} torch threads; load average at start {result['load_avg_at_start']} (other processes share "
+             "the cores: shares are of wall time). Self CPU time per op, per step, top ops.", ""]
+    for key, run in result["runs"].items():
+        lines += [f"## {key}: {run['step_ms']:.1f} ms/step, {run['op_calls_per_step']:.0f} op calls/step", "",
+                  "| op | ms/step | calls/step | share of step |", "|---|---|---|---|"]
+        lines += [f"| `{o['op']}` | {o['ms_per_step']:.2f} | {o['calls_per_step']:.0f} | {100 * o['share']:.1f}% |" for o in run["ops"]]
+        lines.append("")
+    (out_dir / "profile_cpu.md").write_text("\n".join(lines))
+    print(f"[profile] wrote {out_dir}/profile_cpu.{{md,json}}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,46 @@
+"""Which attention implementation a model runner uses, from `ModelConfig.attention_backend`.
+
+- cpu: `auto` is the C++ decode kernel (+ torch prefill); `triton` runs the Triton kernels under
+  the interpreter (TRITON_INTERPRET=1; for tests only: slow); `flashinfer` is an error.
+- cuda: `auto` is FlashInfer when `flashinfer` imports and the dtype is 16-bit (FlashInfer has no
+  fp32 kernels), else Triton, else the reference path; `torch` is the reference path (gathers
+  blocks; SDPA).
+Returns "torch", "cpu_kernel", "triton" or "flashinfer".
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+
+
+def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype) -> str:
+    if requested == "torch":
+        return "torch"
+    if device.type == "cpu":
+        if requested == "flashinfer":
+            raise ValueError("attention_backend: flashinfer needs a CUDA device")
+        if requested == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("attention_backend: triton on a CPU needs TRITON_INTERPRET=1 (Triton's interpreter; tests only)")
+        return "triton" if requested == "triton" else "cpu_kernel"
+    if requested in ("triton", "flashinfer"):
+        if importlib.util.find_spec(requested) is None:
+            raise ValueError(f"attention_backend: {requested} is not installed")
+        if requested == "flashinfer" and dtype == torch.float32:
+            raise ValueError("attention_backend: flashinfer has no float32 kernels (use bfloat16/float16, or triton)")
+        return requested
+    candidates = ("triton",) if dtype == torch.float32 else ("flashinfer", "triton")
+    return next((name for name in candidates if importlib.util.find_spec(name) is not None), "torch")
+
+
+def make_varlen_attention(backend: str, args, block_size: int, dtype: torch.dtype, device: torch.device):
+    """The whole-step implementation (with `plan(step)` and a per-layer call) for triton / flashinfer."""
+    if backend == "triton":
+        from serve_app.engine.attention_triton import TritonAttention
+
+        return TritonAttention()
+    from serve_app.engine.attention_flashinfer import FlashInferAttention
+
+    return FlashInferAttention(args.num_heads, args.num_kv_heads, args.head_dim, block_size, dtype, args.head_dim**-0.5, device)

@@ -1,0 +1,34 @@
+"""Where an LLMServer replica runs: its Ray actor options, and for a multi-device engine the
+placement group that reserves its devices.
+
+One device per replica (the default): the replica actor asks for `num_cpus_per_replica` CPUs and
+`num_gpus_per_replica` GPUs itself. A vLLM engine with `tensor_parallel_size` x
+`pipeline_parallel_size` > 1 ranks (as Ray Serve LLM places it): the replica gets a placement group
+of one bundle for itself (its CPUs, no GPU) plus one bundle per rank ({"GPU": 1} on CUDA,
+{"CPU": 1} on CPU), packed onto one node (STRICT_PACK: tensor parallelism needs the ranks' fast
+interconnect); Ray reserves the whole group before the replica starts, and vLLM's Ray executor
+starts its rank workers in it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from serve_app.config import ServeConfig
+
+
+def replica_placement(config: ServeConfig) -> dict[str, Any]:
+    """Keyword arguments for `LLMServer.options(...)`: `ray_actor_options` and, for a multi-rank
+    engine, `placement_group_bundles` and `placement_group_strategy`."""
+    actor: dict[str, Any] = {"num_cpus": config.num_cpus_per_replica}
+    ranks = config.vllm_options().world_size if config.backend == "vllm" else 1
+    if ranks == 1:
+        if config.num_gpus_per_replica:
+            actor["num_gpus"] = config.num_gpus_per_replica
+        return {"ray_actor_options": actor}
+    rank_bundle = {"GPU": 1} if config.device != "cpu" else {"CPU": 1}
+    return {
+        "ray_actor_options": actor,
+        "placement_group_bundles": [{"CPU": config.num_cpus_per_replica}] + [dict(rank_bundle) for _ in range(ranks)],
+        "placement_group_strategy": "STRICT_PACK",
+    }
