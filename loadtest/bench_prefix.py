@@ -364,7 +364,7 @@ def main() -> None:
 
     from serve_app.engine.input_processor import InputProcessor
 
-    tokenizer = InputProcessor(str(REPO / "models" / "smollm2-135m-instruct"), 49152, 8192, None)  # as the ingress does
+    tokenizer = InputProcessor(str(REPO / "models" / "smollm2-135m-instruct"), 49152, 8192)  # as the ingress does
     started = time.monotonic()
     results: dict[str, Any] = {
         "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),

@@ -297,7 +297,7 @@ class NullBackend(Backend):
         from serve_app.engine.input_processor import InputProcessor
 
         vocab_size = json.loads((Path(self.model) / "config.json").read_text())["vocab_size"]
-        self._input = InputProcessor(self.model, vocab_size, self.options.max_model_len, None)
+        self._input = InputProcessor(self.model, vocab_size, self.options.max_model_len)
         tokenizer = self._input.tokenizer
         token_ids = tokenizer.encode(PASSAGE, add_special_tokens=False).ids
         texts = {t: tokenizer.decode([t], skip_special_tokens=False) for t in set(token_ids)}

@@ -36,7 +36,7 @@ def make_input_processor(config: ServeConfig, max_model_len: int):
     from serve_app.engine.input_processor import InputProcessor  # loads transformers, in the replica only
 
     vocab_size = int(json.loads((Path(config.model) / "config.json").read_text())["vocab_size"])
-    return InputProcessor(config.model, vocab_size, max_model_len, None)
+    return InputProcessor(config.model, vocab_size, max_model_len)
 
 
 def api_key_from_env(variable: str) -> str:

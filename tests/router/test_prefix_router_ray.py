@@ -53,7 +53,7 @@ def app(local_ray, probe_dir):
 def tokenizer():
     from serve_app.engine.input_processor import InputProcessor
 
-    return InputProcessor(str(MODEL_DIR), 49152, 2048, None)
+    return InputProcessor(str(MODEL_DIR), 49152, 2048)
 
 
 async def _complete(client: httpx.AsyncClient, base_url: str, prompt: str, max_tokens: int = 4) -> dict:

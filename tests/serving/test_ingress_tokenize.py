@@ -47,7 +47,7 @@ def test_token_ids_are_the_engines_and_the_engine_does_not_tokenize_again():
         assert first.prompt_token_ids == tuple(processor.tokenize("Hello there"))
         assert second.prompt_token_ids == tuple(processor.tokenize("General Kenobi"))
         # the replica's engine takes the ids as they are: no tokenizer needed
-        engine = InputProcessor(str(MODEL_DIR), 49152, 64, 2)
+        engine = InputProcessor(str(MODEL_DIR), 49152, 64)
         engine.hf_tokenizer = None
         assert engine.process(chat).prompt_token_ids == list(expected)
 
@@ -70,6 +70,6 @@ def test_api_keys_salt_the_prefix_cache_when_asked():
             await c.post("/v1/completions", json={"model": "m", "prompt": "hi"}, headers={"Authorization": "Bearer key-a"})
         assert shared.calls[0].cache_salt is None
         salted = GenerateRequest("r", prompt="hi", prompt_token_ids=(1, 2), cache_salt=a1)
-        assert InputProcessor(str(MODEL_DIR), 49152, 64, 2).process(salted).cache_salt == a1.encode()
+        assert InputProcessor(str(MODEL_DIR), 49152, 64).process(salted).cache_salt == a1.encode()
 
     asyncio.run(main())
