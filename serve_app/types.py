@@ -27,6 +27,8 @@ class SamplingParams:
     temperature 0 means greedy. top_k 0 (or -1) disables top-k; top_p 1.0 disables nucleus sampling.
     `seed` makes a request's samples reproducible whatever else shares its batch.
     `stop` strings end generation and are excluded from the returned text.
+    `speculative` False opts this request out of the engine's speculative decoding (its output is
+    the same either way; speculation only changes how fast it comes).
     """
 
     max_tokens: int = 16
@@ -38,6 +40,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -2,7 +2,9 @@
 
 It owns the weights and the KV cache tensors; it never decides who runs. Per step it builds the
 flattened batch (decode tokens first, then prompt chunks), the slot mapping and block tables, runs
-the model, computes logits only for the rows that sample, and samples.
+the model, computes logits only for the rows that sample, and samples. A request verified with
+proposed tokens (speculative decoding) samples each of its last `1 + k` rows, and keeps the samples
+up to the first one that differs from its proposal (`spec_decode.acceptance.accept`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from serve_app.engine.models.llama import LlamaArgs
 from serve_app.engine.models.loader import load_model
 from serve_app.engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from serve_app.engine.sampler import sample
+from serve_app.engine.spec_decode.acceptance import accept
 
 logger = logging.getLogger(__name__)
 
@@ -112,15 +115,25 @@ class ModelRunner:
         scheduled = sorted(scheduler_output.scheduled, key=lambda s: s.num_tokens != 1)  # stable: decodes first
         input_ids, positions, meta = self.prepare(scheduled)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
-        rows, samplers = [], []
+        rows, samplers, params, keys = [], [], [], []
         end = 0
         for s in scheduled:
             end += s.num_tokens
             if s.sample:
-                rows.append(end - 1)
+                num_rows = 1 + len(s.spec_token_ids)  # the last token and each proposed one predict a token
+                rows.extend(range(end - num_rows, end))
                 samplers.append(s)
+                params.extend([s.sampling_params] * num_rows)
+                keys.extend((s.generator_key, *s.spec_generator_keys))
         if not samplers:
             return ModelRunnerOutput((), ())
         logits = self.model.compute_logits(hidden[self._tensor(rows)])
-        token_ids = sample(logits, [s.sampling_params for s in samplers], [s.generator_key for s in samplers], self.generator)
-        return ModelRunnerOutput(tuple(s.request_id for s in samplers), tuple(token_ids))
+        token_ids = sample(logits, params, keys, self.generator)
+        if len(token_ids) == len(samplers):
+            return ModelRunnerOutput(tuple(s.request_id for s in samplers), tuple(token_ids))
+        accepted, at = [], 0
+        for s in samplers:
+            num_rows = 1 + len(s.spec_token_ids)
+            accepted.append(accept(token_ids[at : at + num_rows], s.spec_token_ids))
+            at += num_rows
+        return ModelRunnerOutput(tuple(s.request_id for s in samplers), tuple(a[0] for a in accepted), tuple(a[1:] for a in accepted))

@@ -1,0 +1,110 @@
+"""Online fit of an engine's step cost: how long one step takes as a function of what it computes.
+
+    step seconds ≈ fixed_s + per_prefill_token_s × prompt tokens + per_decode_token_s × decode tokens
+
+Fit by least squares over the most recent `window` steps (a sliding window, so the fit follows the
+machine's current speed: other tenants, thermal state). Anyone who must predict time from tokens
+uses it: the router's predicted time to first token (a replica publishes its fit with its routing
+stats), adaptive speculative decoding (what k more tokens per step cost).
+
+Contract: `observe()` is called by the engine thread after each step; `cost()` may be called from
+any thread (a lock guards the window) and returns a `StepCost` (frozen), or `None` until enough
+distinct steps were seen to determine all three coefficients. Coefficients are clamped at 0 (a
+noisy window can make least squares return a negative per-token cost; time never flows backwards).
+This module imports only the standard library.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """A fitted step-cost model (seconds)."""
+
+    fixed_s: float
+    per_prefill_token_s: float
+    per_decode_token_s: float
+    num_steps: int  # steps the fit used
+
+    def predict(self, num_prefill_tokens: int, num_decode_tokens: int) -> float:
+        """Seconds for one step computing these tokens."""
+        return self.fixed_s + self.per_prefill_token_s * num_prefill_tokens + self.per_decode_token_s * num_decode_tokens
+
+    def as_dict(self) -> dict[str, float | int]:
+        return asdict(self)
+
+
+class StepCostFit:
+    """Least-squares fit of `StepCost` over a sliding window of observed steps."""
+
+    def __init__(self, window: int = 256, min_steps: int = 8) -> None:
+        if window < 3:
+            raise ValueError("window: must be >= 3")
+        self.min_steps = max(3, min_steps)
+        self._steps: deque[tuple[int, int, float]] = deque(maxlen=window)
+        self._lock = threading.Lock()
+
+    def observe(self, num_prefill_tokens: int, num_decode_tokens: int, duration_s: float) -> None:
+        """Record one finished step."""
+        if duration_s <= 0 or num_prefill_tokens + num_decode_tokens <= 0:
+            return
+        with self._lock:
+            self._steps.append((num_prefill_tokens, num_decode_tokens, duration_s))
+
+    def cost(self) -> StepCost | None:
+        with self._lock:
+            steps = list(self._steps)
+        if len(steps) < self.min_steps:
+            return None
+        return fit_step_cost(steps)
+
+
+def fit_step_cost(steps: list[tuple[int, int, float]]) -> StepCost | None:
+    """Least squares of duration on (1, prefill tokens, decode tokens), by the normal equations.
+
+    When the window does not tell prompt and decode tokens apart (e.g. only decode steps, or both
+    always in the same proportion) both get the slope on total tokens; when every step computed the
+    same number of tokens, the mean step time is spread over them (no fixed part). None if empty.
+    """
+    if not steps:
+        return None
+    ones = [1.0] * len(steps)
+    prefill = [float(p) for p, _, _ in steps]
+    decode = [float(d) for _, d, _ in steps]
+    y = [t for _, _, t in steps]
+    coef = _solve_least_squares([ones, prefill, decode], y)
+    if coef is not None:
+        fixed, per_prefill, per_decode = coef
+    else:
+        total = [p + d for p, d in zip(prefill, decode, strict=True)]
+        coef = _solve_least_squares([ones, total], y)
+        if coef is not None:
+            fixed, per_prefill = coef
+        else:
+            fixed, per_prefill = 0.0, sum(y) / max(sum(total), 1.0)
+        per_decode = per_prefill
+    return StepCost(max(fixed, 0.0), max(per_prefill, 0.0), max(per_decode, 0.0), len(steps))
+
+
+def _solve_least_squares(columns: list[list[float]], y: list[float]) -> list[float] | None:
+    """Solve (XᵀX) b = Xᵀy for a few columns by Gaussian elimination; None when singular."""
+    k = len(columns)
+    a = [[sum(ci * cj for ci, cj in zip(columns[i], columns[j], strict=True)) for j in range(k)] for i in range(k)]
+    b = [sum(ci * yi for ci, yi in zip(columns[i], y, strict=True)) for i in range(k)]
+    scale = max(abs(a[i][i]) for i in range(k)) or 1.0
+    for col in range(k):
+        pivot = max(range(col, k), key=lambda r: abs(a[r][col]))
+        if abs(a[pivot][col]) <= 1e-12 * scale:
+            return None
+        a[col], a[pivot] = a[pivot], a[col]
+        b[col], b[pivot] = b[pivot], b[col]
+        for r in range(k):
+            if r != col:
+                f = a[r][col] / a[col][col]
+                a[r] = [x - f * yv for x, yv in zip(a[r], a[col], strict=True)]
+                b[r] -= f * b[col]
+    return [b[i] / a[i][i] for i in range(k)]
