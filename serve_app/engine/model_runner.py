@@ -33,6 +33,11 @@ def kv_cache_bytes_per_block(args: LlamaArgs, block_size: int, dtype: torch.dtyp
     return 2 * args.num_layers * block_size * args.num_kv_heads * args.head_dim * torch.empty((), dtype=dtype).element_size()
 
 
+def is_decode(s: ScheduledRequest) -> bool:
+    """A request reading one new token, or verifying proposed tokens after it (one decode row each)."""
+    return s.num_tokens == 1 or bool(s.spec_token_ids)
+
+
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, hf_config: dict[str, Any]) -> None:
         self.device = torch.device(model_config.device)
@@ -72,25 +77,29 @@ class ModelRunner:
         return [table[p // bs] * bs + p % bs for p in range(sched.start_pos, sched.context_len)]
 
     def prepare(self, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """`scheduled` must list single-token chunks (decodes) first."""
+        """`scheduled` must list decodes first (`is_decode`). A verification (a decode with proposed
+        tokens) runs as one decode row per token, each over the context up to its own position:
+        its K/V are all written before attention, so that is exactly causal attention."""
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        decodes = [s for s in scheduled if s.num_tokens == 1]
+        decodes = [s for s in scheduled if is_decode(s)]
         for s in scheduled:
             input_ids.extend(s.token_ids)
             positions.extend(range(s.start_pos, s.context_len))
             slots.extend(self._slots(s))
         block_tables = context_lens = mask = None
+        num_decode_rows = sum(s.num_tokens for s in decodes)
         if decodes:
             max_blocks = max(len(s.block_table) for s in decodes)
-            block_tables = self._tensor([list(s.block_table) + [0] * (max_blocks - len(s.block_table)) for s in decodes])
-            context_lens = self._tensor([s.context_len for s in decodes], torch.int32)
+            block_tables = self._tensor([list(s.block_table) + [0] * (max_blocks - len(s.block_table))
+                                         for s in decodes for _ in range(s.num_tokens)])
+            context_lens = self._tensor([p + 1 for s in decodes for p in range(s.start_pos, s.context_len)], torch.int32)
             if self.decode_kernel is None:
                 keys = torch.arange(max_blocks * self.block_size, device=self.device)
-                mask = (keys.unsqueeze(0) < context_lens.unsqueeze(1)).view(len(decodes), 1, 1, -1)
+                mask = (keys.unsqueeze(0) < context_lens.unsqueeze(1)).view(num_decode_rows, 1, 1, -1)
         prefills = []
-        offset = len(decodes)
+        offset = num_decode_rows
         for s in scheduled[len(decodes) :]:
             table = chunk_mask = None
             if s.start_pos > 0:
@@ -101,7 +110,7 @@ class ModelRunner:
             offset += s.num_tokens
         meta = AttentionMetadata(
             slot_mapping=self._tensor(slots),
-            num_decodes=len(decodes),
+            num_decodes=num_decode_rows,
             decode_block_tables=block_tables,
             decode_context_lens=context_lens,
             decode_mask=mask,
@@ -112,7 +121,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        scheduled = sorted(scheduler_output.scheduled, key=lambda s: s.num_tokens != 1)  # stable: decodes first
+        scheduled = sorted(scheduler_output.scheduled, key=lambda s: not is_decode(s))  # stable: decodes first
         input_ids, positions, meta = self.prepare(scheduled)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         rows, samplers, params, keys = [], [], [], []
