@@ -6,7 +6,8 @@ own validation names the offending field too. Parameters this server does not im
 tools, `echo`, penalties, ...) are rejected with a 400 that names them instead of being silently
 ignored; unknown parameters are rejected like OpenAI does.
 
-Extensions beyond OpenAI's API: `top_k` (0 or -1: off) and `ignore_eos` (benchmarks).
+Extensions beyond OpenAI's API: `top_k` (0 or -1: off), `ignore_eos` (benchmarks) and `speculative`
+(false: opt this request out of the engine's speculative decoding).
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ class _SamplingFields(_Request):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     ignore_eos: bool = False  # extension
+    speculative: bool = True  # extension
     # accepted and ignored: they do not change the output
     metadata: dict[str, Any] | None = None
     store: bool | None = None
@@ -106,6 +108,7 @@ class _SamplingFields(_Request):
             seed=seed,
             stop=stop,
             ignore_eos=self.ignore_eos,
+            speculative=self.speculative,
         )
 
 
