@@ -114,3 +114,21 @@ def test_opted_out_requests_are_never_verified(model_dir, copy_prompts):
     params = SamplingParams(temperature=0.0, max_tokens=32, speculative=False)
     _, _, stats, _ = run(model_dir, copy_prompts, params, {"method": "ngram", "k": 4})
     assert sum(s.spec_num_proposed for s in stats.steps) == 0
+
+
+def test_speculation_counters_after_known_traffic(model_dir, copy_prompts):
+    """The exported counters equal the engine's own per-step numbers."""
+    from serve_app.metrics.loggers import PrometheusStatLogger
+
+    metrics, stats = PrometheusStatLogger("m"), Collect()
+    llm = LLM(model_dir, dtype="float32", stat_loggers=[metrics, stats], speculative={"method": "ngram", "k": 3})
+    llm.generate(copy_prompts[:2], SamplingParams(temperature=0.0, max_tokens=40))
+    value = {name: metrics.registry.get_sample_value(name, {"model": "m"}) for name in (
+        "llm_spec_proposed_tokens_total", "llm_spec_accepted_tokens_total", "llm_spec_verified_requests_total",
+        "llm_spec_decode_requests_total")}
+    assert value["llm_spec_proposed_tokens_total"] == sum(s.spec_num_proposed for s in stats.steps) > 0
+    assert value["llm_spec_accepted_tokens_total"] == sum(s.spec_num_accepted for s in stats.steps) > 0
+    assert value["llm_spec_verified_requests_total"] == sum(s.spec_num_seqs for s in stats.steps)
+    assert value["llm_spec_decode_requests_total"] == sum(s.spec_num_candidates for s in stats.steps)
+    # each verified request-step proposed exactly k=3 tokens, or fewer near max_tokens / without a longer match
+    assert value["llm_spec_proposed_tokens_total"] <= 3 * value["llm_spec_verified_requests_total"]
