@@ -19,7 +19,6 @@ whether the outputs are token-identical to it. Writes speculative.{json,md,png} 
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
 import statistics
