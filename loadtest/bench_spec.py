@@ -5,7 +5,9 @@ Workloads (loadtest/spec_workloads.py): `grounded` (replies copy or edit text fr
 level keeps that many requests in flight (a closed loop) until its prompts are done. Settings, side
 by side in one run: the native engine without speculation, with fixed k 2 and 4 (n-gram), with
 adaptive k; vLLM-CPU (eager, both cores) without speculation and with its n-gram speculation
-(k 4, prompt lookup 2-4: the configuration of the anchor run). Each setting runs in its own process.
+(k 4, prompt lookup 2-4: the configuration of the anchor run). The native settings share one process
+and run interleaved (each level's repeat runs every setting back to back); each vLLM engine runs in a
+process of its own, one after the other.
 
 Reported per workload × concurrency × setting: output tok/s (mean and min-max over repeats), TPOT
 p50/p99 (per request, at step boundaries), acceptance (accepted / proposed tokens), mean k (proposed
@@ -50,8 +52,10 @@ def log(msg: str) -> None:
     print(f"[bench-spec {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def worker(setting: str, opts: dict[str, Any], conn) -> None:
-    """Load one engine setting, warm it up, run every (workload, concurrency, repeat); send results."""
+def worker(settings: list[str], opts: dict[str, Any], conn) -> None:
+    """Load the engine settings (all of one engine kind), warm each up, then run every (workload,
+    concurrency, repeat) on each setting back to back, the order rotated per repeat, so that changes
+    in machine load hit them alike; send the results."""
     try:
         import torch
 
@@ -60,22 +64,25 @@ def worker(setting: str, opts: dict[str, Any], conn) -> None:
         from spec_workloads import make_prompts
         from transformers import AutoTokenizer
 
-        engine, spec = SETTINGS[setting]
-        t0 = time.perf_counter()
-        runner = RUNNERS[engine]({**opts, "speculative": spec})
         tokenizer = AutoTokenizer.from_pretrained(opts["model"])
-        runner.run(make_prompts(tokenizer, "open", 2, seed=99), 2)  # warm-up
-        log(f"{setting}: ready in {time.perf_counter() - t0:.0f} s")
+        runners = {}
+        for setting in settings:
+            engine, spec = SETTINGS[setting]
+            t0 = time.perf_counter()
+            runners[setting] = RUNNERS[engine]({**opts, "speculative": spec})
+            runners[setting].run(make_prompts(tokenizer, "open", 2, seed=99), 2)  # warm-up
+            log(f"{setting}: ready in {time.perf_counter() - t0:.0f} s")
         results = []
         for workload in opts["workloads"]:
             for concurrency in opts["concurrency"]:
                 prompts = make_prompts(tokenizer, workload, opts["requests"][concurrency], seed=0)
                 for repeat in range(opts["repeats"]):
-                    r = runner.run(prompts, concurrency)
-                    log(f"{setting}: {workload} c={concurrency} #{repeat}: {r['num_tokens'] / r['elapsed_s']:.1f} tok/s "
-                        f"({r['elapsed_s']:.1f} s), accepted {r['accepted']:.0f}/{r['proposed']:.0f}")
-                    results.append({"setting": setting, "engine": engine, "workload": workload,
-                                    "concurrency": concurrency, "repeat": repeat, **r})
+                    for setting in settings[repeat % len(settings):] + settings[: repeat % len(settings)]:
+                        r = runners[setting].run(prompts, concurrency)
+                        log(f"{setting}: {workload} c={concurrency} #{repeat}: {r['num_tokens'] / r['elapsed_s']:.1f} tok/s "
+                            f"({r['elapsed_s']:.1f} s), accepted {r['accepted']:.0f}/{r['proposed']:.0f}")
+                        results.append({"setting": setting, "engine": SETTINGS[setting][0], "workload": workload,
+                                        "concurrency": concurrency, "repeat": repeat, **r})
         conn.send(("ok", results))
     except Exception:  # noqa: BLE001 - reported by the parent
         conn.send(("error", traceback.format_exc()))
@@ -83,10 +90,10 @@ def worker(setting: str, opts: dict[str, Any], conn) -> None:
         conn.close()
 
 
-def run_setting(setting: str, opts: dict[str, Any], timeout_s: float) -> list[dict[str, Any]] | str:
+def run_settings(settings: list[str], opts: dict[str, Any], timeout_s: float) -> list[dict[str, Any]] | str:
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=worker, args=(setting, opts, child), daemon=False)
+    proc = ctx.Process(target=worker, args=(settings, opts, child), daemon=False)
     proc.start()
     child.close()
     try:
@@ -142,7 +149,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--concurrency", default=None, help="comma-separated levels (default 1,4,16,64; --quick 1,16)")
     p.add_argument("--repeats", type=int, default=None, help="default 2 (--quick: 1)")
     p.add_argument("--max-tokens", type=int, default=None, help="default 96 (--quick: 64)")
-    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    # float32: outputs are then token-identical with and without speculation (checked per run); in
+    # bfloat16 a verification's multi-row matmuls round differently from single-row decodes, which
+    # flips near-ties (vLLM's too)
+    p.add_argument("--dtype", default="float32", choices=("bfloat16", "float32"))
     p.add_argument("--threads", type=int, default=1,
                    help="OpenMP threads per engine (1: robust on a shared machine, where 2 threads stall at barriers)")
     p.add_argument("--quick", action="store_true")
@@ -169,15 +179,18 @@ def main(argv: list[str] | None = None) -> int:
             "workloads": args.workloads.split(","), "concurrency": args.concurrency, "repeats": args.repeats,
             "requests": {c: table.get(c, max(c, 4)) for c in args.concurrency}}
     runs, notes = [], {}
-    for setting in args.settings.split(","):
-        if SETTINGS[setting][0] == "vllm" and not _has_vllm():
-            notes[setting] = "vllm is not installed (make install-vllm)"
+    chosen = args.settings.split(",")
+    # native settings share one process (interleaved runs); each vLLM engine gets its own process
+    groups = [[s for s in chosen if SETTINGS[s][0] == "native"]] + [[s] for s in chosen if SETTINGS[s][0] == "vllm"]
+    for group in filter(None, groups):
+        if SETTINGS[group[0]][0] == "vllm" and not _has_vllm():
+            notes[group[0]] = "vllm is not installed (make install-vllm)"
             continue
-        log(f"{setting}: starting")
-        result = run_setting(setting, opts, args.setting_timeout_s)
+        log(f"{', '.join(group)}: starting")
+        result = run_settings(group, opts, args.setting_timeout_s)
         if isinstance(result, str):
-            notes[setting] = result
-            log(f"{setting}: {result}")
+            notes[", ".join(group)] = result
+            log(f"{', '.join(group)}: {result}")
         else:
             runs.extend(result)
     machine["load_avg_at_end"] = [round(x, 2) for x in os.getloadavg()]

@@ -46,7 +46,7 @@ class NativeSpecRunner:
 
         self.stats: list[Any] = []
         self.llm = LLM(opts["model"], stat_loggers=[self], dtype=opts["dtype"], max_num_seqs=64,
-                       speculative=opts["speculative"])
+                       kv_cache_memory_gib=0.75, speculative=opts["speculative"])
         self.params = SamplingParams(temperature=0.0, max_tokens=opts["max_tokens"])
         self.tokens: dict[str, list[int]] = {}
 
