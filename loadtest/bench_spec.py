@@ -175,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     machine = machine_info("cpu")
     log(f"load average at start: {machine['load_avg_at_start']}")
     table = QUICK_REQUESTS if args.quick else REQUESTS_PER_LEVEL
-    opts = {"model": args.model, "dtype": args.dtype, "threads": args.threads, "max_tokens": args.max_tokens,
+    # an absolute path: a relative one that does not resolve in vLLM's engine process reads as a hub id
+    opts = {"model": str(Path(args.model).resolve()), "dtype": args.dtype, "threads": args.threads, "max_tokens": args.max_tokens,
             "workloads": args.workloads.split(","), "concurrency": args.concurrency, "repeats": args.repeats,
             "requests": {c: table.get(c, max(c, 4)) for c in args.concurrency}}
     runs, notes = [], {}
