@@ -36,6 +36,8 @@ def test_k_falls_as_batch_grows_and_with_acceptance():
 def test_budget_and_missing_fit():
     assert sum(choose_k([0.9] * 3, [4] * 3, CPU_COST, 0, 3, 3, budget=5)) == 5
     assert choose_k([0.2, 0.9], [3, 2], None, 0, 2, 2, budget=100) == [3, 2]  # no fit yet: max_k
+    free_tokens = StepCost(fixed_s=0.02, per_prefill_token_s=0.0, per_decode_token_s=0.0, num_steps=50)
+    assert choose_k([0.9], [4], free_tokens, 0, 1, 1, budget=100) == [0]  # a degenerate fit: no evidence, no guess
 
 
 def test_acceptance_tracker_learns_per_request():

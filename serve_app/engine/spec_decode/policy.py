@@ -64,13 +64,16 @@ def choose_k(
 
     `num_*_tokens` and `num_sampling` describe the step as scheduled without speculation; `budget` is
     the step's remaining token budget. Without a cost fit yet (the engine's first steps) every
-    candidate gets its `max_k` within the budget.
+    candidate gets its `max_k` within the budget; a fit that finds no per-token cost (noise: tokens are
+    never free) proposes nothing until the fit says otherwise.
     """
     ks = [0] * len(acceptance)
-    if cost is None or cost.per_decode_token_s <= 0:
+    if cost is None:
         for i, m in enumerate(max_k):
             ks[i] = max(0, min(m, budget))
             budget -= ks[i]
+        return ks
+    if cost.per_decode_token_s <= 0:
         return ks
     per_token = cost.per_decode_token_s
     step_s = cost.predict(num_prefill_tokens, num_decode_tokens)
