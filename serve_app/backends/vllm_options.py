@@ -72,7 +72,9 @@ class VLLMOptions:
         mine = {f.name for f in fields(self)}
         clash = sorted(mine & {k for k, _ in self.engine_args}) + sorted(
             {"model", "served_model_name", "kv_cache_memory_bytes", "disable_log_stats", "speculative_config"} & {k for k, _ in self.engine_args})
-        _require(not clash, "engine_args", f"set {clash[0]!r} as its own option, not through engine_args" if clash else "")
+        own = {"speculative_config": "speculative"}  # engine_args names that an option of ours sets
+        _require(not clash, "engine_args",
+                 f"set {own.get(clash[0], clash[0])!r} as its own option, not through engine_args" if clash else "")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> VLLMOptions:
