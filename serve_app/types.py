@@ -35,6 +35,8 @@ class SamplingParams:
     `min_tokens`: EOS and `stop_token_ids` cannot be sampled before that many output tokens.
     `logprobs` N: return each sampled token's log-probability and the N most likely alternatives
     (of the model's raw distribution, before temperature, penalties and top-k/top-p).
+    `speculative` False opts this request out of the engine's speculative decoding (its output is
+    the same either way; speculation only changes how fast it comes).
     """
 
     max_tokens: int | None = 16
@@ -51,6 +53,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     min_tokens: int = 0
     logprobs: int | None = None
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -86,6 +89,13 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def can_speculate(self) -> bool:
+        """Whether speculative decoding may verify proposals for this request: not when it opted out,
+        nor when its sampling depends on the tokens before each position (penalties, min_tokens) or
+        it asked for logprobs (one row per step keeps those exact and simple)."""
+        return self.speculative and not self.has_penalties and self.min_tokens == 0 and self.logprobs is None
 
     @property
     def has_penalties(self) -> bool:

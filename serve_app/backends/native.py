@@ -75,7 +75,7 @@ class NativeBackend(Backend):
 
     def routing_stats(self) -> RoutingStats:
         stats = RoutingStats.from_load(self.engine.load())
-        cost = self.engine.engine.step_cost.cost()
+        cost = self.engine.engine.core.step_cost.cost()
         if cost is None:
             return stats
         return dataclasses.replace(stats, step_fixed_s=cost.fixed_s, prefill_s_per_token=cost.per_prefill_token_s,

@@ -17,12 +17,19 @@ Larger models: `tensor_parallel_size` x `pipeline_parallel_size` ranks serve one
 (vLLM's Ray executor, one GPU per rank on CUDA). The ranks' devices come from the replica's
 placement group (`serving.placement`), as Ray Serve LLM does it: Ray reserves them together with
 the replica, and vLLM's executor finds that placement group and starts its workers in it.
+
+`speculative` is the native engine's option (`config.SpeculativeConfig`), mapped onto vLLM's
+`speculative_config`: `ngram` → vLLM's n-gram proposer with `num_speculative_tokens` = `k`, or `max_k`
+when `k` is 0 (vLLM has no adaptive length: it always proposes that many), `prompt_lookup_min/max` =
+`ngram_min/max`. vLLM has no per-request opt-out: `SamplingParams.speculative` is ignored there.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
 from typing import Any
+
+from serve_app.config import SpeculativeConfig
 
 DTYPES = ("float32", "bfloat16", "float16")
 GIB = 1 << 30
@@ -53,8 +60,10 @@ class VLLMOptions:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     engine_args: tuple[tuple[str, Any], ...] = ()  # other vllm.AsyncEngineArgs fields, passed through
+    speculative: SpeculativeConfig | dict[str, Any] | None = None  # None: off
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "speculative", SpeculativeConfig.from_value(self.speculative))
         extra = self.engine_args.items() if isinstance(self.engine_args, dict) else self.engine_args
         object.__setattr__(self, "engine_args", tuple(sorted((str(k), v) for k, v in extra)))
         _require(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
@@ -69,8 +78,10 @@ class VLLMOptions:
         _require(self.gpu_memory_utilization == 0 or self.device != "cpu", "gpu_memory_utilization", "applies to GPUs only")
         mine = {f.name for f in fields(self)}
         clash = sorted(mine & {k for k, _ in self.engine_args}) + sorted(
-            {"model", "served_model_name", "kv_cache_memory_bytes", "disable_log_stats"} & {k for k, _ in self.engine_args})
-        _require(not clash, "engine_args", f"set {clash[0]!r} as its own option, not through engine_args" if clash else "")
+            {"model", "served_model_name", "kv_cache_memory_bytes", "disable_log_stats", "speculative_config"} & {k for k, _ in self.engine_args})
+        own = {"speculative_config": "speculative"}  # engine_args names that an option of ours sets
+        _require(not clash, "engine_args",
+                 f"set {own.get(clash[0], clash[0])!r} as its own option, not through engine_args" if clash else "")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> VLLMOptions:
@@ -116,6 +127,10 @@ class VLLMOptions:
             args["gpu_memory_utilization"] = self.gpu_memory_utilization
         else:
             args["kv_cache_memory_bytes"] = int(self.kv_cache_memory_gib * GIB)
+        spec = self.speculative
+        if spec.enabled:
+            args["speculative_config"] = {"method": spec.method, "num_speculative_tokens": spec.k or spec.max_k,
+                                          "prompt_lookup_min": spec.ngram_min, "prompt_lookup_max": spec.ngram_max}
         args.update(dict(self.engine_args))
         return args
 

@@ -19,6 +19,8 @@ Mapping (vLLM → ours):
 - a step with iteration details → `SchedulerStats`: batch size = prefill + decode requests, tokens =
   prefill + decode tokens, duration = vLLM's measured step time (model execution + sampling);
   a stats message without details (no tokens scheduled) only updates the gauges (`record_load`);
+- speculative decoding: vLLM's `spec_decoding_stats` (drafts, draft tokens, accepted tokens) → our
+  `spec_*` step fields, hence the same speculation metrics;
 - `num_waiting` = vLLM's waiting + deferred-waiting requests; free / total blocks come from
   `kv_cache_usage` and the engine's usable block count (vLLM reserves one null block);
 - a finished request → `RequestMetrics` on a clock starting at its arrival (0): finished = e2e
@@ -90,7 +92,18 @@ def scheduler_stats(vllm_stats: Any, load: EngineLoad, num_preempted: int, step_
         num_total_blocks=load.num_total_blocks,
         prefix_cache_queries=int(prefix.queries) if prefix is not None else 0,
         prefix_cache_hits=int(prefix.hits) if prefix is not None else 0,
+        **spec_decode_stats(getattr(vllm_stats, "spec_decoding_stats", None)),
     )
+
+
+def spec_decode_stats(spec: Any) -> dict[str, int]:
+    """vLLM's per-step `SpecDecodingStats` as our `SchedulerStats.spec_*` fields (vLLM verifies every
+    decoding request that got a draft, so its drafts are both the candidates and the verified ones)."""
+    if spec is None:
+        return {}
+    num_drafts = int(spec.num_drafts)
+    return {"spec_num_candidates": num_drafts, "spec_num_seqs": num_drafts,
+            "spec_num_proposed": int(spec.num_draft_tokens), "spec_num_accepted": int(spec.num_accepted_tokens)}
 
 
 def request_metrics(finished: Any) -> tuple[FinishReason, RequestMetrics]:

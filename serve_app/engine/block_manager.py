@@ -155,6 +155,21 @@ class BlockManager:
             table.append(block_id)
         return True
 
+    def trim(self, request_id: str, num_tokens: int) -> None:
+        """Release the blocks past the first `num_tokens` slots (rejected speculative tokens' slots).
+        Those blocks never reached the prefix cache: only blocks full of computed tokens do."""
+        table = self._tables.get(request_id)
+        if not table:
+            return
+        keep = cdiv(num_tokens, self.block_size)
+        while len(table) > keep:
+            block = self.blocks[table.pop()]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block.block_id] = None
+                if block.block_hash is None:
+                    self._free.move_to_end(block.block_id, last=False)
+
     def free(self, request_id: str) -> None:
         """Release a request's blocks. Unhashed blocks are reused first; hashed ones stay cached,
         tail blocks ahead of head blocks (a shared head outlives its tails)."""

@@ -24,11 +24,13 @@ class IncrementalDetokenizer:
         self._emitted = 0
         self.stopped = False
 
-    def update(self, token_ids: tuple[int, ...]) -> None:
-        """Add tokens; sets `stopped` (and truncates `text`) when a stop string appears."""
-        for token_id in token_ids:
+    def update(self, token_ids: tuple[int, ...]) -> int:
+        """Add tokens; sets `stopped` (and truncates `text`) when a stop string appears. Returns how
+        many of the tokens were taken: all of them, or up to the one that completed a stop string
+        (a step that accepted several speculative tokens may run past it)."""
+        for i, token_id in enumerate(token_ids):
             if self.stopped:
-                return
+                return i
             chunk = self._stream.step(self._tokenizer, token_id)
             if not chunk:
                 continue
@@ -38,6 +40,7 @@ class IncrementalDetokenizer:
             if hits:
                 self.text = self.text[: min(hits)]
                 self.stopped = True
+        return len(token_ids)
 
     def take_delta(self, finished: bool) -> str:
         """Text not returned yet; while unfinished, minus the tail that could begin a stop string."""

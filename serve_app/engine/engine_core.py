@@ -12,6 +12,8 @@ from serve_app.engine.model_runner import ModelRunner
 from serve_app.engine.outputs import EngineCoreOutput, EngineCoreOutputs
 from serve_app.engine.request import Request
 from serve_app.engine.scheduler import Scheduler
+from serve_app.engine.spec_decode.speculator import Speculator
+from serve_app.engine.step_cost import StepCostFit
 from serve_app.types import FinishReason
 
 
@@ -37,7 +39,10 @@ class EngineCore:
         self.max_model_len = min(limits)
         self.kv_events = KVEventLog()  # what the prefix cache holds, for routers
         self.block_manager = BlockManager(num_blocks, block_size, config.cache.enable_prefix_caching, self.kv_events)
-        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
+        # the engine's measured step cost (what k more tokens in a step cost: adaptive speculation)
+        self.step_cost = StepCostFit()
+        speculator = Speculator(config.speculative, self.step_cost) if config.speculative.enabled else None
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len, speculator=speculator)
         self.step_index = 0
 
     def add_request(self, request: Request) -> None:
@@ -60,5 +65,6 @@ class EngineCore:
         runner_output = self.model_runner.execute_model(scheduler_output)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         stats = self.scheduler.make_stats(self.step_index, start, time.monotonic() - start, scheduler_output)
+        self.step_cost.observe(stats.num_prefill_tokens, stats.num_decode_tokens, stats.step_duration_s)
         self.step_index += 1
         return EngineCoreOutputs(tuple(outputs), stats)

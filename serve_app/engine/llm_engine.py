@@ -15,7 +15,6 @@ from serve_app.engine.input_processor import InputProcessor
 from serve_app.engine.output_processor import OutputProcessor
 from serve_app.engine.outputs import EngineCoreOutput
 from serve_app.engine.request import Request
-from serve_app.engine.step_cost import StepCostFit
 from serve_app.metrics.stats import EngineLoad, SchedulerStats
 from serve_app.types import FinishReason, GenerateRequest, RequestMetrics, RequestOutput
 
@@ -40,7 +39,6 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.input_processor.tokenizer)
         self.stat_loggers = list(stat_loggers)
         self.last_stats: SchedulerStats | None = None
-        self.step_cost = StepCostFit()  # this engine's seconds per step, fit from its recent steps
 
     @property
     def max_model_len(self) -> int:
@@ -71,7 +69,6 @@ class LLMEngine:
         results, stop_ids = self.output_processor.process(core_outputs.outputs)
         if (stats := core_outputs.scheduler_stats) is not None:
             self.last_stats = stats
-            self.step_cost.observe(stats.num_prefill_tokens, stats.num_decode_tokens, stats.step_duration_s)
         self._log(core_outputs.scheduler_stats, core_outputs.outputs)
         if stop_ids:
             results += self._finish(self.core.finish_requests(stop_ids, FinishReason.STOP))

@@ -2,7 +2,9 @@
 
 It owns the weights and the KV cache tensors; it never decides who runs. Per step it builds the
 flattened batch (decode tokens first, then prompt chunks), the slot mapping and block tables, runs
-the model, computes logits only for the rows that sample, and samples.
+the model, computes logits only for the rows that sample, and samples. A request verified with
+proposed tokens (speculative decoding) samples each of its last `1 + k` rows, and keeps the samples
+up to the first one that differs from its proposal (`spec_decode.acceptance.accept`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from serve_app.engine.models.loader import load_model
 from serve_app.engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from serve_app.engine.penalties import process_logits
 from serve_app.engine.sampler import sample
+from serve_app.engine.spec_decode.acceptance import accept
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +36,11 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 def kv_cache_bytes_per_block(args: LlamaArgs, block_size: int, dtype: torch.dtype) -> int:
     return 2 * args.num_layers * block_size * args.num_kv_heads * args.head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def is_decode(s: ScheduledRequest) -> bool:
+    """A request reading one new token, or verifying proposed tokens after it (one decode row each)."""
+    return s.num_tokens == 1 or bool(s.spec_token_ids)
 
 
 class ModelRunner:
@@ -94,18 +102,27 @@ class ModelRunner:
         return torch.tensor(data, dtype=dtype, device=self.device)
 
     def prepare(self, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """Inputs for the decode-kernel / reference paths. `scheduled` must list single-token chunks
-        (decodes) first."""
+        """Inputs for the decode-kernel / reference paths. `scheduled` must list decodes first
+        (`is_decode`). A verification (a decode with proposed tokens) runs as one decode row per
+        token, each over the context up to its own position: its K/V are all written before
+        attention, so that is exactly causal attention."""
         step = self.input_batch.build(scheduled)
-        b = next((i for i, s in enumerate(scheduled) if s.num_tokens != 1), len(scheduled))
+        b = next((i for i, s in enumerate(scheduled) if not is_decode(s)), len(scheduled))
+        num_decode_rows = sum(s.num_tokens for s in scheduled[:b])
         block_tables = context_lens = mask = None
         if b:
             max_blocks = max(len(s.block_table) for s in scheduled[:b])
-            block_tables = step.block_tables[:b, :max_blocks].to(torch.long, memory_format=torch.contiguous_format)
-            context_lens = step.seq_lens[:b]
+            if num_decode_rows == b:  # plain decodes: the persistent inputs as they are
+                block_tables = step.block_tables[:b, :max_blocks].to(torch.long, memory_format=torch.contiguous_format)
+                context_lens = step.seq_lens[:b]
+            else:
+                block_tables = self._tensor([list(s.block_table) + [0] * (max_blocks - len(s.block_table))
+                                             for s in scheduled[:b] for _ in range(s.num_tokens)])
+                context_lens = self._tensor([p + 1 for s in scheduled[:b] for p in range(s.start_pos, s.context_len)],
+                                            step.seq_lens.dtype)
             if self.decode_kernel is None:
                 keys = torch.arange(max_blocks * self.block_size, device=self.device)
-                mask = (keys.unsqueeze(0) < context_lens.unsqueeze(1)).view(b, 1, 1, -1)
+                mask = (keys.unsqueeze(0) < context_lens.unsqueeze(1)).view(num_decode_rows, 1, 1, -1)
         prefills = []
         starts = step.host_query_start_loc
         for i in range(b, len(scheduled)):
@@ -118,7 +135,7 @@ class ModelRunner:
             prefills.append(PrefillChunk(int(starts[i]), s.num_tokens, s.start_pos, table, chunk_mask))
         meta = AttentionMetadata(
             slot_mapping=step.slot_mapping,
-            num_decodes=b,
+            num_decodes=num_decode_rows,
             decode_block_tables=block_tables,
             decode_context_lens=context_lens,
             decode_mask=mask,
@@ -142,26 +159,44 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        scheduled = sorted(scheduler_output.scheduled, key=lambda s: s.num_tokens != 1)  # stable: decodes first
+        scheduled = sorted(scheduler_output.scheduled, key=lambda s: not is_decode(s))  # stable: decodes first
         hidden, graph_logits = self._forward(scheduled)
-        rows, samplers = [], []
+        rows, samplers, params, keys = [], [], [], []
         end = 0
         for s in scheduled:
             end += s.num_tokens
             if s.sample:
-                rows.append(end - 1)
+                num_rows = 1 + len(s.spec_token_ids)  # the last token and each proposed one predict a token
+                rows.extend(range(end - num_rows, end))
                 samplers.append(s)
+                params.extend([s.sampling_params] * num_rows)
+                keys.extend((s.generator_key, *s.spec_generator_keys))
         if not samplers:
             return ModelRunnerOutput((), ())
         computed = hidden if hidden is not None else graph_logits
         # rows are increasing: as many as computed means all of them (no index tensor to send over)
         picked = computed if len(rows) == computed.shape[0] else computed[self._tensor(rows)]
         logits = picked if hidden is None else self.model.compute_logits(picked)
-        params = [s.sampling_params for s in samplers]
-        processed = process_logits(logits, params, [s.prompt_token_ids for s in samplers],
-                                   [s.output_token_ids for s in samplers], [s.blocked_token_ids for s in samplers])
-        token_ids = sample(processed, params, [s.generator_key for s in samplers], self.generator)
-        logprobs = ()
+        # one row per sampled position; a verified request's rows carry no penalties, min_tokens or
+        # logprobs (`SamplingParams.can_speculate`), so the per-request inputs repeat unchanged
+        spans = [1 + len(s.spec_token_ids) for s in samplers]
+
+        def per_row(values: list) -> list:
+            return [v for v, n in zip(values, spans, strict=True) for _ in range(n)]
+
+        processed = process_logits(logits, params, per_row([s.prompt_token_ids for s in samplers]),
+                                   per_row([s.output_token_ids for s in samplers]), per_row([s.blocked_token_ids for s in samplers]))
+        token_ids = sample(processed, params, keys, self.generator)
+        row_logprobs = ()
         if any(p.logprobs is not None for p in params):
-            logprobs = tuple(sampled_logprobs(logits, token_ids, [p.logprobs for p in params]))
-        return ModelRunnerOutput(tuple(s.request_id for s in samplers), tuple(token_ids), logprobs)
+            row_logprobs = tuple(sampled_logprobs(logits, token_ids, [p.logprobs for p in params]))
+        request_ids = tuple(s.request_id for s in samplers)
+        if len(token_ids) == len(samplers):
+            return ModelRunnerOutput(request_ids, tuple(token_ids), row_logprobs)
+        accepted, logprobs, at = [], [], 0
+        for s, n in zip(samplers, spans, strict=True):
+            accepted.append(accept(token_ids[at : at + n], s.spec_token_ids))
+            logprobs.append(row_logprobs[at] if row_logprobs else None)
+            at += n
+        return ModelRunnerOutput(request_ids, tuple(a[0] for a in accepted), tuple(logprobs) if row_logprobs else (),
+                                 extra_token_ids=tuple(a[1:] for a in accepted))

@@ -9,7 +9,7 @@ then closes the stream with the truncated text.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from tokenizers import Tokenizer
 
@@ -67,14 +67,15 @@ class OutputProcessor:
             if out.new_token_ids:
                 if state.first_token_time is None:
                     state.first_token_time = now
-                state.num_generated += len(out.new_token_ids)
+                new_token_ids = out.new_token_ids
                 if not state.stop_requested:
-                    state.pending_token_ids.extend(out.new_token_ids)
+                    if state.detokenizer is not None:
+                        new_token_ids = new_token_ids[: state.detokenizer.update(new_token_ids)]
+                    state.pending_token_ids.extend(new_token_ids)
                     if state.pending_logprobs is not None and out.new_logprobs is not None:
                         state.pending_logprobs.extend(
-                            self._to_token_logprob(t, lp) for t, lp in zip(out.new_token_ids, out.new_logprobs, strict=True))
-                    if state.detokenizer is not None:
-                        state.detokenizer.update(out.new_token_ids)
+                            self._to_token_logprob(t, lp) for t, lp in zip(new_token_ids, out.new_logprobs, strict=False))
+                state.num_generated += len(new_token_ids)
             finished = out.finish_reason is not None
             if not finished and state.detokenizer is not None and state.detokenizer.stopped:
                 if not state.stop_requested:
@@ -84,7 +85,10 @@ class OutputProcessor:
             if not finished and not out.new_token_ids:
                 continue
             text = state.detokenizer.take_delta(finished) if state.detokenizer is not None else ""
-            metrics = out.metrics or RequestMetrics(
+            metrics = out.metrics
+            if metrics is not None and state.stop_requested:  # the core may hold accepted tokens past the stop string
+                metrics = replace(metrics, num_generation_tokens=state.num_generated)
+            metrics = metrics or RequestMetrics(
                 arrival_time=state.arrival_time,
                 first_token_time=state.first_token_time,
                 num_prompt_tokens=len(state.prompt_token_ids),

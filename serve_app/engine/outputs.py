@@ -16,6 +16,10 @@ class ScheduledRequest:
     `token_ids` sit at positions `start_pos .. start_pos + len(token_ids) - 1`; the block table covers
     them all. `sample` is True when this chunk reaches the request's last token, so its logits
     pick the next token.
+
+    Speculative decoding: a decoding request may end its `token_ids` with `spec_token_ids`, proposed
+    tokens to verify; then every one of its last `1 + len(spec_token_ids)` positions is sampled,
+    position j with `spec_generator_keys[j - 1]` (j >= 1; position 0 uses `generator_key`).
     """
 
     request_id: str
@@ -30,6 +34,8 @@ class ScheduledRequest:
     prompt_token_ids: tuple[int, ...] = ()  # with penalties
     output_token_ids: tuple[int, ...] = ()  # with penalties
     blocked_token_ids: tuple[int, ...] = ()  # EOS and stop ids while the output is shorter than min_tokens
+    spec_token_ids: tuple[int, ...] = ()
+    spec_generator_keys: tuple[int | None, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -53,11 +59,16 @@ class SchedulerOutput:
 
 @dataclass(frozen=True)
 class ModelRunnerOutput:
-    """Sampled token per request that had `sample=True`, in scheduling order."""
+    """Sampled token per request that had `sample=True`, in scheduling order.
+
+    `extra_token_ids` (empty, or aligned with `request_ids`): for requests verified with proposed
+    tokens, the accepted tokens after the first one (`spec_decode.acceptance.accept`).
+    """
 
     request_ids: tuple[str, ...]
     sampled_token_ids: tuple[int, ...]
     logprobs: tuple[SampledLogprobs | None, ...] = ()  # per request when any asked for logprobs, else empty
+    extra_token_ids: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,13 @@ so far is kept, so it resumes where it was).
 
 The batching policy only changes admission from the waiting queue (see `SchedulerConfig`).
 The scheduler never touches tensors.
+
+Speculative decoding (with a `Speculator`): once the step is scheduled, the token budget left over
+goes to proposed tokens for decoding requests (never at the expense of a scheduled request: proposed
+tokens get blocks only when they are free, and never preempt anyone). After the step, a verified
+request keeps the tokens the model runner accepted; the slots of the rejected ones are rolled back
+(its computed-token count drops back to its tokens minus one, and blocks past them are released),
+so only accepted tokens ever reach the prefix cache.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from serve_app.engine.outputs import (
     SchedulerOutput,
 )
 from serve_app.engine.request import Request, RequestStatus
+from serve_app.engine.spec_decode.speculator import SpecCandidate, Speculator
 from serve_app.metrics.stats import SchedulerStats
 from serve_app.types import FinishReason, RequestMetrics
 
@@ -37,8 +45,10 @@ class Scheduler:
         block_manager: BlockManager,
         max_model_len: int,
         clock: Callable[[], float] = time.monotonic,
+        speculator: Speculator | None = None,
     ) -> None:
         self.config = config
+        self.speculator = speculator
         self.block_manager = block_manager
         self.max_model_len = max_model_len
         self.clock = clock
@@ -52,6 +62,7 @@ class Scheduler:
         self._step_preempted = 0
         self._step_prefix_queries = 0
         self._step_prefix_hits = 0
+        self._step_spec = [0, 0, 0, 0]  # candidates, verified requests, proposed, accepted
 
     # ---- queue management ----------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -152,10 +163,12 @@ class Scheduler:
                 picked.append((request, num_new))
                 budget -= num_new
 
-        scheduled = tuple(self._to_scheduled(request, num_new) for request, num_new in picked)
-        self._in_flight = {request.request_id: num_new for request, num_new in picked}
-        for request, num_new in picked:
-            request.num_computed_tokens += num_new
+        spec = self._plan_speculation(picked, budget) if self.speculator is not None and budget > 0 else {}
+        budget -= sum(len(p) for p in spec.values())
+        scheduled = tuple(self._to_scheduled(request, num_new, spec.get(request.request_id, ())) for request, num_new in picked)
+        self._in_flight = {s.request_id: s.num_tokens for s in scheduled}
+        for request, sched in zip((r for r, _ in picked), scheduled, strict=True):
+            request.num_computed_tokens += sched.num_tokens
         self._step_preempted += len(preempted)
         return SchedulerOutput(
             scheduled=scheduled,
@@ -177,7 +190,30 @@ class Scheduler:
             return None
         return max(0.0, self.waiting[0].arrival_time + self.config.batch_timeout_s - self.clock())
 
-    def _to_scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+    def _plan_speculation(self, picked: list[tuple[Request, int]], budget: int) -> dict[str, tuple[int, ...]]:
+        """Proposed tokens for the step's decoding requests, with their blocks allocated."""
+        candidates = []
+        for request, num_new in picked:
+            if num_new != 1 or request.num_tokens - request.num_computed_tokens != 1 or not request.sampling_params.can_speculate:
+                continue
+            # a proposal past max_tokens or the context length could never be used
+            max_k = min(request.sampling_params.max_tokens - request.num_output_tokens - 1, self.max_model_len - request.num_tokens)
+            candidates.append(SpecCandidate(request.request_id, request.all_token_ids, max_k))
+        if not candidates:
+            return {}
+        num_prefill = sum(n for r, n in picked if r.num_computed_tokens < r.num_prompt_tokens)
+        num_tokens = sum(n for _, n in picked)
+        num_sampling = sum(1 for r, n in picked if r.num_computed_tokens + n == r.num_tokens)
+        plan = self.speculator.plan(candidates, num_prefill, num_tokens - num_prefill, num_sampling, budget)
+        for rid, proposal in list(plan.items()):
+            if not self.block_manager.allocate_slots(self.requests[rid], 1 + len(proposal)):
+                del plan[rid]  # no free blocks: verify nothing rather than preempt anyone for a guess
+        self._step_spec[0] += len(candidates)
+        self._step_spec[1] += len(plan)
+        self._step_spec[2] += sum(len(p) for p in plan.values())
+        return plan
+
+    def _to_scheduled(self, request: Request, num_new: int, spec_token_ids: tuple[int, ...] = ()) -> ScheduledRequest:
         start = request.num_computed_tokens
         sample = start + num_new == request.num_tokens
         params = request.sampling_params
@@ -186,18 +222,21 @@ class Scheduler:
         blocked: tuple[int, ...] = ()
         if sample and request.num_output_tokens < params.min_tokens:
             blocked = tuple(sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else request.eos_token_ids)))
+        keys = [None if seed is None else hash((seed, request.num_output_tokens + j)) for j in range(1 + len(spec_token_ids))]
         return ScheduledRequest(
             request_id=request.request_id,
-            token_ids=tuple(request.all_token_ids[start : start + num_new]),
+            token_ids=tuple(request.all_token_ids[start : start + num_new]) + spec_token_ids,
             start_pos=start,
             block_table=tuple(self.block_manager.block_table(request.request_id)),
             sample=sample,
             reads_prompt=start < request.num_prompt_tokens,
             sampling_params=request.sampling_params,
-            generator_key=None if seed is None else hash((seed, request.num_output_tokens)),
+            generator_key=keys[0],
             prompt_token_ids=tuple(request.prompt_token_ids) if penalties else (),
             output_token_ids=tuple(request.output_token_ids) if penalties else (),
             blocked_token_ids=blocked,
+            spec_token_ids=spec_token_ids,
+            spec_generator_keys=tuple(keys[1:]),
         )
 
     def _preempt(self, request: Request) -> None:
@@ -209,31 +248,52 @@ class Scheduler:
 
     # ---- results -------------------------------------------------------------------------------
     def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
-        """Append sampled tokens, apply stop conditions, free finished requests."""
+        """Append sampled (and accepted) tokens, apply stop conditions, roll back rejected proposed
+        tokens, free finished requests."""
         now = self.clock()
         self._in_flight = {}
+        num_spec = {s.request_id: len(s.spec_token_ids) for s in scheduler_output.scheduled if s.spec_token_ids}
+        extras = runner_output.extra_token_ids or ((),) * len(runner_output.request_ids)
+        appended = []
+        for request_id, token_id, extra in zip(runner_output.request_ids, runner_output.sampled_token_ids, extras, strict=True):
+            request = self.requests.get(request_id)
+            if request is None:  # aborted while the step ran
+                continue
+            new_tokens, reason, stop_token = self._append(request, (token_id, *extra))
+            if request.first_token_time is None:
+                request.first_token_time = now
+            if request_id in num_spec:
+                self.speculator.observe(request_id, num_spec[request_id], len(extra))
+                self._step_spec[3] += len(extra)
+                # rejected tokens' KV is garbage: the request has computed all but its newest token
+                request.num_computed_tokens = request.num_tokens - 1
+                self.block_manager.trim(request_id, request.num_computed_tokens)
+            appended.append((request, new_tokens, reason, stop_token))
         for sched in scheduler_output.scheduled:  # before finishing frees them: full blocks stay reusable
             request = self.requests.get(sched.request_id)
             if request is not None:
                 self.block_manager.cache_full_blocks(request)
         outputs = []
         logprobs = runner_output.logprobs or (None,) * len(runner_output.request_ids)
-        for request_id, token_id, token_logprobs in zip(runner_output.request_ids, runner_output.sampled_token_ids, logprobs,
-                                                        strict=True):
-            request = self.requests.get(request_id)
-            if request is None:  # aborted while the step ran
-                continue
-            request.append_output_token(token_id)
-            if request.first_token_time is None:
-                request.first_token_time = now
-            reason, stop_token = self._check_stop(request, token_id)
+        by_id = dict(zip(runner_output.request_ids, logprobs, strict=True))
+        for request, new_tokens, reason, stop_token in appended:
             metrics = None
             if reason is not None:
                 self.running.remove(request)
                 metrics = self._finish(request, reason, now)
+            token_logprobs = by_id.get(request.request_id)
             new_logprobs = None if token_logprobs is None else (token_logprobs,)
-            outputs.append(EngineCoreOutput(request_id, (token_id,), reason, stop_token, metrics, new_logprobs))
+            outputs.append(EngineCoreOutput(request.request_id, new_tokens, reason, stop_token, metrics, new_logprobs))
         return outputs
+
+    def _append(self, request: Request, token_ids: tuple[int, ...]) -> tuple[tuple[int, ...], FinishReason | None, int | None]:
+        """Append tokens one by one, stopping (and dropping the rest) at the first stop condition."""
+        for i, token_id in enumerate(token_ids):
+            request.append_output_token(token_id)
+            reason, stop_token = self._check_stop(request, token_id)
+            if reason is not None:
+                return token_ids[: i + 1], reason, stop_token
+        return token_ids, None, None
 
     def _check_stop(self, request: Request, token_id: int) -> tuple[FinishReason | None, int | None]:
         params = request.sampling_params
@@ -253,6 +313,8 @@ class Scheduler:
         self.block_manager.free(request.request_id)
         del self.requests[request.request_id]
         self._batch_ids.discard(request.request_id)
+        if self.speculator is not None:
+            self.speculator.forget(request.request_id)
         return RequestMetrics(
             arrival_time=request.arrival_time,
             first_scheduled_time=request.first_scheduled_time,
@@ -286,6 +348,11 @@ class Scheduler:
             prefix_cache_queries=self._step_prefix_queries,
             prefix_cache_hits=self._step_prefix_hits,
             batch=batch,
+            spec_num_candidates=self._step_spec[0],
+            spec_num_seqs=self._step_spec[1],
+            spec_num_proposed=self._step_spec[2],
+            spec_num_accepted=self._step_spec[3],
         )
         self._step_preempted = self._step_prefix_queries = self._step_prefix_hits = 0
+        self._step_spec = [0, 0, 0, 0]
         return stats

@@ -11,8 +11,8 @@ the engine thread after every step and after aborts):
 
 What is recorded:
 - per step: batch size, tokens computed and duration (histograms); KV-cache usage, running and
-  waiting requests (gauges, as of the end of the step); preemptions and prefix-cache queries / hits
-  (counters);
+  waiting requests (gauges, as of the end of the step); preemptions, prefix-cache queries / hits and
+  speculative decoding's proposed / accepted tokens, verified and candidate requests (counters);
 - per finished request: `llm_request_success_total{finish_reason}`; prompt and generation tokens;
   TTFT and queue time (when the request got that far, aborted or not); e2e latency and TPOT for
   requests that completed (stop / length), not for aborted ones.
@@ -61,10 +61,12 @@ class MetricsStatLogger:
         self._prefix_queries = m[names.PREFIX_CACHE_QUERIES.name]
         self._prefix_hits = m[names.PREFIX_CACHE_HITS.name]
         self._success = m[names.REQUEST_SUCCESS.name]
+        spec = (names.SPEC_DECODE_REQUESTS, names.SPEC_VERIFIED_REQUESTS, names.SPEC_PROPOSED_TOKENS, names.SPEC_ACCEPTED_TOKENS)
+        self._spec = [m[n.name] for n in spec]  # in SchedulerStats.spec_* order
         self._success_labels = {r: {names.FINISH_REASON_LABEL: r} for r in _FINISH_REASONS}
         # counters exist (at 0) from the start: rate() reads 0, not "no data", before the first event
         for counter in (self._preemptions, self._prompt_tokens, self._generation_tokens,
-                        self._prefix_queries, self._prefix_hits):
+                        self._prefix_queries, self._prefix_hits, *self._spec):
             self._safe(counter.touch)
         for labels in self._success_labels.values():
             self._safe(self._success.touch, labels)
@@ -101,6 +103,8 @@ class MetricsStatLogger:
         self._preemptions.inc(s.num_preempted)
         self._prefix_queries.inc(s.prefix_cache_queries)
         self._prefix_hits.inc(s.prefix_cache_hits)
+        for counter, value in zip(self._spec, (s.spec_num_candidates, s.spec_num_seqs, s.spec_num_proposed, s.spec_num_accepted), strict=True):
+            counter.inc(value)
 
     def _record_finished(self, reason: FinishReason, m: RequestMetrics) -> None:
         reason_s = str(reason)

@@ -124,6 +124,20 @@ REQUEST_SUCCESS = MetricSpec(
     "llm_request_success_total", "counter", "Finished requests, by finish reason (stop, length, abort).",
     labels=(FINISH_REASON_LABEL,))
 
+# speculative decoding (counted per step; ratios of their rates give acceptance and k, see the dashboard)
+SPEC_PROPOSED_TOKENS = MetricSpec(
+    "llm_spec_proposed_tokens_total", "counter", "Proposed (speculative) tokens verified by the target model.")
+SPEC_ACCEPTED_TOKENS = MetricSpec(
+    "llm_spec_accepted_tokens_total", "counter",
+    "Proposed tokens accepted (each saved a step); acceptance rate = accepted / proposed.")
+SPEC_VERIFIED_REQUESTS = MetricSpec(
+    "llm_spec_verified_requests_total", "counter",
+    "Request-steps verified with at least one proposed token; mean accepted length = accepted / verified.")
+SPEC_DECODE_REQUESTS = MetricSpec(
+    "llm_spec_decode_requests_total", "counter",
+    "Request-steps that could have been verified (decoding, speculation on, not opted out); "
+    "mean chosen k = proposed / this.")
+
 # ---- router metrics (recorded by the request router, in the process that routes) -----------------
 ROUTER_STATS_AGE = MetricSpec(
     "llm_router_stats_age_seconds", "gauge",
@@ -157,6 +171,7 @@ ENGINE_METRICS: tuple[MetricSpec, ...] = (
     TIME_TO_FIRST_TOKEN, TIME_PER_OUTPUT_TOKEN, E2E_REQUEST_LATENCY, REQUEST_QUEUE_TIME,
     KV_CACHE_USAGE, NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING,
     NUM_PREEMPTIONS, PROMPT_TOKENS, GENERATION_TOKENS, PREFIX_CACHE_QUERIES, PREFIX_CACHE_HITS, REQUEST_SUCCESS,
+    SPEC_PROPOSED_TOKENS, SPEC_ACCEPTED_TOKENS, SPEC_VERIFIED_REQUESTS, SPEC_DECODE_REQUESTS,
 )
 ROUTER_METRICS: tuple[MetricSpec, ...] = (ROUTER_STATS_AGE, ROUTER_ROUTED_REQUESTS, ROUTER_DECISIONS, ROUTER_CACHED_TOKENS_ABS_ERROR,
                                           ROUTER_PREDICTED_CACHED_TOKENS, ROUTER_ACTUAL_CACHED_TOKENS)

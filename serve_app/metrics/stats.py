@@ -31,6 +31,12 @@ class SchedulerStats:
     # (request_id, num_tokens computed, prompt still being read) for each request in the batch:
     # enough to draw who was in which batch (W2 timelines)
     batch: tuple[tuple[str, int, bool], ...] = ()
+    # speculative decoding: decoding requests that could have been verified with proposed tokens,
+    # those that were, their proposed tokens and how many of those were accepted
+    spec_num_candidates: int = 0
+    spec_num_seqs: int = 0
+    spec_num_proposed: int = 0
+    spec_num_accepted: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -9,7 +9,8 @@ OpenAI does. Sampling fields a request leaves out take the checkpoint's generati
 defaults (`GenerationDefaults`), then OpenAI's.
 
 Extensions beyond OpenAI's API (vLLM's names): `top_k` (0 or -1: off), `repetition_penalty`,
-`min_tokens`, `stop_token_ids`, `ignore_eos` (benchmarks). docs/openai-api.md lists them all.
+`min_tokens`, `stop_token_ids`, `ignore_eos` (benchmarks) and `speculative` (false: opt this request
+out of the engine's speculative decoding). docs/openai-api.md lists them all.
 """
 
 from __future__ import annotations
@@ -79,6 +80,7 @@ class _SamplingFields(_Request):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     ignore_eos: bool = False  # extension
+    speculative: bool = True  # extension
     # accepted and ignored: they do not change the output
     metadata: dict[str, Any] | None = None
     store: bool | None = None
@@ -124,6 +126,7 @@ class _SamplingFields(_Request):
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            speculative=self.speculative,
         )
 
 

@@ -54,7 +54,8 @@ def served(model_dir):
         "model": model_dir, "num_replicas": NUM_REPLICAS, "num_cpus_per_replica": 0.5,
         "torch_num_threads": 1,  # a shared 2-core machine: one thread per replica
         "max_ongoing_requests": 32, "request_routing_stats_period_s": 0.5, "health_check_period_s": 2.0,
-        "api_key_env": "", "engine": {"dtype": "float32", "num_blocks": 128, "max_num_seqs": 16},
+        "api_key_env": "", "engine": {"dtype": "float32", "num_blocks": 128, "max_num_seqs": 16,
+                                         "speculative": {"method": "ngram", "k": 2}},  # the speculation panels' data
         "router": "prefix_aware",  # records the router metrics (RouterMetrics.for_ray), the routing row's included
     }
     started = time.monotonic()

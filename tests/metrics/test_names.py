@@ -28,6 +28,10 @@ DOCUMENTED_TABLE = {
     "llm_prefix_cache_hits_total": "counter",
     "llm_request_success_total": "counter",
     "llm_router_stats_age_seconds": "gauge",
+    "llm_spec_proposed_tokens_total": "counter",
+    "llm_spec_accepted_tokens_total": "counter",
+    "llm_spec_verified_requests_total": "counter",
+    "llm_spec_decode_requests_total": "counter",
 }
 
 

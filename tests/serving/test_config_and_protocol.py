@@ -38,6 +38,8 @@ REPO = Path(__file__).resolve().parents[2]
         ({"model": "m", "engine": {"dtype": "int4"}}, "dtype"),
         ({"model": "m", "engine": {"max_num_seqs": 0}}, "max_num_seqs"),
         ({"model": "m", "engine": {"not_an_option": 1}}, "not_an_option"),
+        ({"model": "m", "engine": {"speculative": {"method": "lookahead"}}}, "speculative.method"),
+        ({"model": "m", "engine": {"speculative": {"method": "ngram", "k": 9}}}, "speculative.k"),
         ({"model": "m", "replicas": 2}, "replicas"),
         ({"model": "m", "stat_logger_factories": ["no_colon"]}, "stat_logger_factories"),
     ],
@@ -126,6 +128,16 @@ def test_completion_request_mapping():
     assert CompletionRequest.model_validate({"model": "m", "prompt": ["a", "b"]}).prompts() == ["a", "b"]
     with pytest.raises(ValueError, match="^prompt:"):
         CompletionRequest.model_validate({"model": "m", "prompt": []}).prompts()
+
+
+def test_speculative_engine_option_and_per_request_opt_out():
+    cfg = ServeConfig.from_dict({"model": "models/x", "engine": {"speculative": {"method": "ngram", "max_k": 6}}})
+    spec = cfg.engine_config().speculative
+    assert spec.enabled and (spec.max_k, spec.k) == (6, 0)  # adaptive by default
+    assert not ServeConfig.from_dict({"model": "models/x"}).engine_config().speculative.enabled  # absent: off
+    assert CompletionRequest.model_validate({"model": "m", "prompt": "hi"}).sampling_params(100).speculative
+    opted_out = CompletionRequest.model_validate({"model": "m", "prompt": "hi", "speculative": False})
+    assert opted_out.sampling_params(100).speculative is False
 
 
 def test_chat_request_mapping():

@@ -121,3 +121,17 @@ def test_tp_yaml_builds_an_app_with_the_placement_group():
     assert deployment._replica_config.placement_group_bundles == [{"CPU": 2}, {"GPU": 1}, {"GPU": 1}]
     assert deployment._replica_config.placement_group_strategy == "STRICT_PACK"
     assert "num_gpus" not in deployment._replica_config.ray_actor_options
+
+
+def test_speculative_option_maps_to_vllm_speculative_config():
+    """The native engine's `speculative` option means the same on vLLM (fixed k: vLLM has no adaptive length)."""
+    args = vllm_config(speculative={"method": "ngram", "max_k": 3}).vllm_options().async_engine_args("/m", "m")
+    assert args["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 3,
+                                          "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    fixed = vllm_config(speculative={"method": "ngram", "k": 2, "ngram_min": 3}).vllm_options().async_engine_args("/m", "m")
+    assert fixed["speculative_config"]["num_speculative_tokens"] == 2 and fixed["speculative_config"]["prompt_lookup_min"] == 3
+    assert "speculative_config" not in vllm_config(speculative={"method": "off"}).vllm_options().async_engine_args("/m", "m")
+    with pytest.raises(ValueError, match="^speculative.method:"):
+        vllm_config(speculative={"method": "eagle"})
+    with pytest.raises(ValueError, match="^engine_args:"):
+        vllm_config(engine_args={"speculative_config": {"method": "ngram"}})

@@ -92,3 +92,19 @@ def test_failures_never_reach_the_engine():
                                   elapsed_ms=1.0), None)
     stat_logger.log_engine_initialized()
     assert bridge.num_errors == 1 and bridge.load.num_running == 3
+
+
+def test_speculative_decoding_stats_map_to_ours():
+    from vllm.v1.spec_decode.metrics import SpecDecodingStats
+
+    recorder = RecordingLogger()
+    bridge = VLLMStatsBridge([recorder], TOTAL)
+    stats = step_stats(num_ctx_requests=0, num_ctx_tokens=0, num_generation_requests=2, num_generation_tokens=10,
+                       elapsed_ms=20.0)
+    spec = SpecDecodingStats.new(4)
+    spec.observe_draft(num_draft_tokens=4, num_accepted_tokens=3)
+    spec.observe_draft(num_draft_tokens=4, num_accepted_tokens=0)
+    stats.spec_decoding_stats = spec
+    bridge.record(stats, None)
+    (step,) = recorder.steps
+    assert (step.spec_num_candidates, step.spec_num_seqs, step.spec_num_proposed, step.spec_num_accepted) == (2, 2, 8, 3)

@@ -1,0 +1,1 @@
+"""Speculative decoding: proposers, the acceptance rule and the adaptive choice of k."""

@@ -1,0 +1,94 @@
+"""How many proposed tokens to verify per request in a step: fixed, or adaptive from measured costs.
+
+Adaptive k maximises the step's expected output tokens per second. A request whose proposals are
+accepted with probability p (per position, measured) gains p^j expected tokens from its j-th
+proposed token, and every proposed token costs the fitted per-token step time. Starting from the
+step as scheduled (T seconds for E tokens, one per sampling request), the policy adds proposed tokens
+greedily, highest gain first, while a token's gain per second beats the step's current rate
+(gain / per_token_s > E / T): cheap at low batch, where the fixed cost dominates T, and never at
+full batch, where per-token time dominates and a rejected token is pure waste.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from serve_app.engine.step_cost import StepCost
+
+MAX_ACCEPTANCE = 0.98  # a request that matched every time may still miss next time
+
+
+@dataclass
+class AcceptanceTracker:
+    """Per-request acceptance probability per proposed position, from decayed counts, shrunk toward
+    the proposer's running rate for requests with little history."""
+
+    decay: float = 0.9
+    prior_weight: float = 2.0
+    global_rate: float = 0.5
+
+    def __post_init__(self) -> None:
+        self._counts: dict[str, tuple[float, float]] = {}  # request id -> (accepted, evaluated positions)
+
+    def rate(self, request_id: str) -> float:
+        accepted, evaluated = self._counts.get(request_id, (0.0, 0.0))
+        p = (accepted + self.prior_weight * self.global_rate) / (evaluated + self.prior_weight)
+        return min(p, MAX_ACCEPTANCE)
+
+    def observe(self, request_id: str, num_proposed: int, num_accepted: int) -> None:
+        """A verification: positions are evaluated up to the first rejection."""
+        if num_proposed <= 0:
+            return
+        evaluated = num_accepted + (1 if num_accepted < num_proposed else 0)
+        accepted, seen = self._counts.get(request_id, (0.0, 0.0))
+        self._counts[request_id] = (accepted * self.decay + num_accepted, seen * self.decay + evaluated)
+        step_rate = num_accepted / evaluated
+        self.global_rate = 0.95 * self.global_rate + 0.05 * step_rate
+
+    def forget(self, request_id: str) -> None:
+        self._counts.pop(request_id, None)
+
+
+def choose_k(
+    acceptance: Sequence[float],
+    max_k: Sequence[int],
+    cost: StepCost | None,
+    num_prefill_tokens: int,
+    num_decode_tokens: int,
+    num_sampling: int,
+    budget: int,
+) -> list[int]:
+    """Proposed tokens per candidate request (aligned with `acceptance` / `max_k`).
+
+    `num_*_tokens` and `num_sampling` describe the step as scheduled without speculation; `budget` is
+    the step's remaining token budget. Without a cost fit yet (the engine's first steps) every
+    candidate gets its `max_k` within the budget; a fit that finds no per-token cost (noise: tokens are
+    never free) proposes nothing until the fit says otherwise.
+    """
+    ks = [0] * len(acceptance)
+    if cost is None:
+        for i, m in enumerate(max_k):
+            ks[i] = max(0, min(m, budget))
+            budget -= ks[i]
+        return ks
+    if cost.per_decode_token_s <= 0:
+        return ks
+    per_token = cost.per_decode_token_s
+    step_s = cost.predict(num_prefill_tokens, num_decode_tokens)
+    tokens = float(num_sampling)
+    heap = [(-p, i) for i, (p, m) in enumerate(zip(acceptance, max_k, strict=True)) if m > 0 and p > 0]
+    heapq.heapify(heap)
+    while heap and budget > 0:
+        neg_gain, i = heapq.heappop(heap)
+        gain = -neg_gain
+        if gain * step_s <= per_token * tokens:  # gains only shrink from here: done
+            break
+        ks[i] += 1
+        budget -= 1
+        tokens += gain
+        step_s += per_token
+        if ks[i] < max_k[i]:
+            heapq.heappush(heap, (-gain * acceptance[i], i))
+    return ks
