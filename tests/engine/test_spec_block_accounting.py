@@ -39,7 +39,7 @@ def fake_run(scheduler_output, rng: random.Random) -> ModelRunnerOutput:
             ids.append(s.request_id)
             first.append(tokens[0])
             extra.append(tokens[1:])
-    return ModelRunnerOutput(tuple(ids), tuple(first), tuple(extra))
+    return ModelRunnerOutput(tuple(ids), tuple(first), extra_token_ids=tuple(extra))
 
 
 def make_scheduler(num_blocks: int, budget: int, max_seqs: int, k: int, prefix: bool):
@@ -124,7 +124,7 @@ def test_rejected_slots_are_released_and_accepted_tokens_cached():
     assert sched.spec_token_ids == (7, 7, 7, 7) and len(bm.block_table("a")) == 2
     assert sched.spec_generator_keys == (None,) * 4
     # the model accepts one proposal and samples 8 where the second proposal said 7
-    scheduler.update_from_output(out, ModelRunnerOutput(("a",), (7,), ((8,),)))
+    scheduler.update_from_output(out, ModelRunnerOutput(("a",), (7,), extra_token_ids=((8,),)))
     request = scheduler.requests["a"]
     assert request.output_token_ids == [7, 7, 8]
     assert request.num_computed_tokens == 5  # 3 prompt + the verified 7 and the accepted 7
@@ -133,7 +133,7 @@ def test_rejected_slots_are_released_and_accepted_tokens_cached():
     assert bm.blocks[bm.block_table("a")[1]].block_hash is None
     out = scheduler.schedule()
     assert out.scheduled[0].start_pos == 5 and out.scheduled[0].token_ids[0] == 8
-    scheduler.update_from_output(out, ModelRunnerOutput(("a",), (8,), ((),)))  # every proposal rejected
+    scheduler.update_from_output(out, ModelRunnerOutput(("a",), (8,), extra_token_ids=((),)))  # every proposal rejected
     assert request.num_computed_tokens == 6 and len(bm.block_table("a")) == 2
     check_exact(scheduler, bm)
     stats = scheduler.make_stats(0, 0.0, 0.0, out)  # counters add up until stats are taken
