@@ -37,8 +37,8 @@ def lp(token_id: int, token: str, value: float) -> TokenLogprob:
 
 
 def logprob_script(request, attempt):
-    return FakeResponse([ADMITTED, GenerationChunk("Hi", (7,), False, None, 3, (lp(7, "Hi", -0.5),)),
-                         GenerationChunk(" you", (8,), True, "stop", 3, (lp(8, " you", -1.25),))])
+    return FakeResponse([ADMITTED, GenerationChunk("Hi", (7,), False, None, 3, logprobs=(lp(7, "Hi", -0.5),)),
+                         GenerationChunk(" you", (8,), True, "stop", 3, logprobs=(lp(8, " you", -1.25),))])
 
 
 @pytest.mark.parametrize(("body", "param"), [
