@@ -94,7 +94,9 @@ def test_gpu_configs_autoscale_one_gpu_per_replica(label):
         if config.device != "cuda":
             continue
         scaling = config.autoscaling_settings()
-        assert config.num_gpus_per_replica == 1, label
+        ranks = config.vllm_options().world_size if config.backend == "vllm" else 1
+        # one GPU per replica, or (tensor / pipeline parallel) one per rank in the replica's placement group
+        assert config.num_gpus_per_replica == (1 if ranks == 1 else 0), label
         assert scaling is not None and scaling.max_replicas > scaling.min_replicas >= 1, label
         assert scaling.target_ongoing_requests < config.max_ongoing_requests, "scale before replicas reject"
 

@@ -137,7 +137,7 @@ def test_preemption_prefix_cache_and_abort(model_dir, recorder):
     e2e_before = sample(reg, "llm_e2e_request_latency_seconds_count", model=MODEL)
     ttft_before = sample(reg, "llm_time_to_first_token_seconds_count", model=MODEL)
     engine = llm.engine
-    engine.add_request(GenerateRequest("to-abort", prompt=prompts[0], sampling_params=SamplingParams(max_tokens=50, ignore_eos=True)))
+    engine.add_request(GenerateRequest("to-abort", prompt=prompts[0], sampling_params=SamplingParams(max_tokens=30, ignore_eos=True)))
     engine.step()
     assert sample(reg, "llm_num_requests_running", model=MODEL) == 1
     assert sample(reg, "llm_kv_cache_usage_ratio", model=MODEL) == pytest.approx(2 / 6)  # 10 prompt tokens → 2 blocks
