@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 
 BlockHash = bytes  # 32-byte SHA-256 digest
 
@@ -56,3 +56,21 @@ def block_key(block_hash: BlockHash) -> int:
 def prefix_block_hashes(token_ids: Sequence[int], block_size: int, salt: bytes | None = None) -> list[BlockHash]:
     """Hashes of every full block of `token_ids`, first block first."""
     return extend_block_hashes([], token_ids, block_size, len(token_ids) // block_size, salt)
+
+
+def prompt_block_keys(token_ids: Sequence[int], block_size: int, salt: str | None = None) -> list[int]:
+    """Routing keys of the prompt blocks an engine can serve from its prefix cache: every full block
+    but one holding the last prompt token (the engine always computes that one), first block first."""
+    num_blocks = max(len(token_ids) - 1, 0) // block_size
+    hashes = prefix_block_hashes(token_ids[: num_blocks * block_size], block_size, salt.encode() if salt else None)
+    return [block_key(h) for h in hashes]
+
+
+def leading_run(keys: Sequence[int], held: Container[int]) -> int:
+    """How many of `keys` (chained block keys, first block first) `held` has, from the first on."""
+    n = 0
+    for key in keys:
+        if key not in held:
+            break
+        n += 1
+    return n

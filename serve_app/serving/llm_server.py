@@ -9,7 +9,8 @@ Called only through a `DeploymentHandle` (from `OpenAIIngress`):
 - Ray Serve calls `record_routing_stats()` every `request_routing_stats_period_s` and hands the dict
   (`kv_cache_usage`, `num_free_blocks`, `num_total_blocks`, `num_waiting`, `num_running`,
   `num_pending_prompt_tokens`, the step-cost fit, `sampled_at`, and the incremental prefix-cache
-  view `kv_*` of `serve_app.engine.kv_events`)
+  view `kv_*` of `serve_app.engine.kv_events`, and `kv_pending`: the block keys of accepted prompts
+  not prefilled yet, `serve_app.serving.pending_prefixes`)
   to request routers (`serve_app.serving.router`); and `check_health()` every `health_check_period_s`: it raises once the engine loop died,
   or once the engine has had work pending and finished no step for `engine_stall_timeout_s` (a
   hung step), and Serve replaces the replica.
@@ -36,9 +37,11 @@ from typing import Any
 from ray import serve
 
 from serve_app.backends import Backend, BackendDeadError, ModelInfo, make_backend
+from serve_app.block_hash import prompt_block_keys
 from serve_app.config import ServeConfig
 from serve_app.metrics.loggers import RayStatLogger
 from serve_app.serving.drain import shutdown_probe
+from serve_app.serving.pending_prefixes import PendingPrefixes
 from serve_app.serving.stream_batching import GenerationChunk, batch_stream
 from serve_app.types import GenerateRequest
 
@@ -93,6 +96,7 @@ class LLMServer:
         await self.backend.start()
         self._info = self.backend.model_info()
         self._in_flight: dict[str, asyncio.Task] = {}  # open `generate` calls by request id
+        self._pending = PendingPrefixes(config.kv_block_size)  # prompts not yet prefilled (routers read them)
         self._drain_task = asyncio.get_running_loop().create_task(self._drain_on_shutdown())
         logger.info("LLMServer replica ready: model %s, context %d tokens, torch threads %s",
                     self._info.name, self._info.max_model_len, threads or "n/a")
@@ -106,14 +110,20 @@ class LLMServer:
         task = asyncio.current_task()
         if task is not None:
             self._in_flight[request.request_id] = task
+        if request.prompt_token_ids is not None:
+            self._pending.add(request.request_id, prompt_block_keys(
+                request.prompt_token_ids, self._pending.block_size, request.cache_salt))
         try:
             async with contextlib.aclosing(batch_stream(self.backend.generate(request), self.config.stream_batch_interval_s)) as chunks:
                 async for chunk in chunks:
                     num_tokens += len(chunk.token_ids)
+                    if chunk.token_ids:
+                        self._pending.done(request.request_id)
                     reason = chunk.finish_reason
                     yield chunk
         finally:
             self._in_flight.pop(request.request_id, None)
+            self._pending.done(request.request_id)
             if self.config.log_requests:
                 logger.info("request %s: prompt %r → %d tokens (%s)", request.request_id,
                             request.prompt if request.messages is None else request.messages, num_tokens, reason)
@@ -133,7 +143,8 @@ class LLMServer:
         # controller re-broadcasts each one (it only pushes changed stats)
         # the prefix-cache update (`kv_*` keys, serve_app.engine.kv_events) goes only here: it is
         # incremental, and a probe calling `routing_stats()` must not consume a poll's delta
-        return {**self.backend.routing_stats().as_dict(), **self.backend.prefix_cache_update(), "sampled_at": time.time()}
+        return {**self.backend.routing_stats().as_dict(), **self.backend.prefix_cache_update(),
+                "kv_pending": self._pending.published(), "sampled_at": time.time()}
 
     def check_health(self) -> None:
         self.backend.check_health()

@@ -17,6 +17,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from serve_app.block_hash import leading_run
+
 
 @dataclass
 class ReplicaCacheView:
@@ -80,12 +82,7 @@ class PrefixIndex:
         view = self.views.get(replica_id)
         if view is None or not view.synced:
             return 0
-        n = 0
-        for key in keys:
-            if key not in view.keys:
-                break
-            n += 1
-        return n
+        return leading_run(keys, view.keys)
 
     def remove(self, replica_id: str) -> None:
         self.views.pop(replica_id, None)

@@ -39,6 +39,7 @@ from collections import Counter, OrderedDict, deque
 from collections.abc import Container, Sequence
 from dataclasses import dataclass
 
+from serve_app.block_hash import leading_run
 from serve_app.serving.routing_policy import KVRouterSettings, ReplicaView
 
 
@@ -196,14 +197,7 @@ class RecentPrefixes:
 
     def matched_blocks(self, replica_id: str, keys: Sequence[int]) -> int:
         """Longest leading run of `keys` that some recent request to the replica shares."""
-        counts = self._counts.get(replica_id)
-        n = 0
-        if counts:
-            for key in keys:
-                if key not in counts:
-                    break
-                n += 1
-        return n
+        return leading_run(keys, self._counts.get(replica_id, ()))
 
     def remove(self, replica_id: str) -> None:
         self._entries.pop(replica_id, None)

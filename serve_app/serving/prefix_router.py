@@ -10,6 +10,9 @@ and its own ledger; a replica with no sample at all counts as idle, and decision
 - a `PrefixIndex` per router, fed by the `kv_*` keys of each replica's routing stats (exact cache
   contents, incremental, resynced on gaps and restarts; `serve_app.engine.kv_events`);
 - `RecentPrefixes`: prompt blocks it routed to a replica that the replica's stats may not show yet;
+- each replica's `kv_pending` (`serve_app.serving.pending_prefixes`): prompt blocks any router sent
+  there that are not prefilled yet, so routers in other ingress replicas follow a new prefix group
+  before its blocks reach the cache;
 - the request's block keys, hashed from the `prompt_token_ids` the ingress put in the request, with
   the engine's own chained hash and salt (`serve_app.block_hash`), so they are the engine's keys.
   A request without token ids (another caller) is routed as the occupancy router does;
@@ -27,7 +30,7 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, RunningReplica
 
-from serve_app.block_hash import block_key, prefix_block_hashes
+from serve_app.block_hash import leading_run, prompt_block_keys
 from serve_app.serving.prefix_index import PrefixIndex
 from serve_app.serving.prefix_policy import (
     PrefixCandidate,
@@ -36,7 +39,6 @@ from serve_app.serving.prefix_policy import (
     affinity,
     fleet_costs,
     make_candidate,
-    max_cacheable_blocks,
     rank_by_ttft,
 )
 from serve_app.serving.router import KVCacheAwareRouter, logger
@@ -57,6 +59,7 @@ class PrefixAwareRouter(KVCacheAwareRouter):
         self.recent = RecentPrefixes()
         self.users = StickyUsers()
         self._stats_seen: dict[str, int] = {}  # replica → id() of the stats dict last folded in
+        self._pending: dict[str, frozenset[int]] = {}  # replica → block keys of prompts it holds, not yet prefilled
         # internal id → (request, chosen replica, predicted cached tokens by replica), until Serve confirms
         self._choices: dict[str, tuple[Any, str, dict[str, int]]] = {}
         self.predictions: dict[str, tuple[int, str, float]] = {}  # request id → (predicted cached tokens, source, at)
@@ -77,6 +80,7 @@ class PrefixAwareRouter(KVCacheAwareRouter):
             return
         self._stats_seen[replica_id] = id(stats)
         self.index.apply(replica_id, stats)
+        self._pending[replica_id] = frozenset(stats.get("kv_pending", ()))
         for request_id, actual, prompt_tokens in stats.get("cached_tokens", ()):
             predicted = self.predictions.pop(request_id, None)
             if predicted is not None:
@@ -102,13 +106,14 @@ class PrefixAwareRouter(KVCacheAwareRouter):
         ids = getattr(request, "prompt_token_ids", None)
         if ids is None:
             return None
-        salt = request.cache_salt.encode() if getattr(request, "cache_salt", None) else None
-        num_blocks = max_cacheable_blocks(len(ids), self.settings.block_size)
-        hashes = prefix_block_hashes(ids[: num_blocks * self.settings.block_size], self.settings.block_size, salt)
-        return [block_key(h) for h in hashes]
+        return prompt_block_keys(ids, self.settings.block_size, getattr(request, "cache_salt", None))
 
     def _cached_blocks(self, replica_id: str, keys: list[int]) -> int:
-        return max(self.index.num_cached_blocks(replica_id, keys), self.recent.matched_blocks(replica_id, keys))
+        """Leading blocks of `keys` the replica will hold when the request's turn comes: cached there
+        (its published cache), sent there by this router since, or queued there by any router (its
+        published pending prompts)."""
+        return max(self.index.num_cached_blocks(replica_id, keys), self.recent.matched_blocks(replica_id, keys),
+                   leading_run(keys, self._pending.get(replica_id, frozenset())))
 
     async def choose_replicas(
         self,
@@ -188,4 +193,5 @@ class PrefixAwareRouter(KVCacheAwareRouter):
         super()._forget(replica_id)
         self.index.remove(replica_id.unique_id)
         self.recent.remove(replica_id.unique_id)
+        self._pending.pop(replica_id.unique_id, None)
         self._stats_seen.pop(replica_id.unique_id, None)

@@ -132,8 +132,9 @@ class KVCacheAwareRouter(FIFOMixin, RequestRouter):
         waiting = waiting_demand(sample, own_blocks, own_requests, self._mean_request_blocks)
         own_final_blocks = self.ledger.since(replica_id, None)[0]
         occupancy = estimate_occupancy(sample, blocks, waiting, self.settings, own_final_blocks)
-        backlog = sample.num_pending_prompt_tokens + prompt_tokens
-        return ReplicaView(replica_id, sample, max(0.0, now - taken), in_flight, blocks, requests, waiting, occupancy,
+        age = max(0.0, now - taken)
+        backlog = sample.unread_prompt_tokens(age, self.settings.step_token_budget) + prompt_tokens
+        return ReplicaView(replica_id, sample, age, in_flight, blocks, requests, waiting, occupancy,
                            backlog, estimate_score(sample, occupancy, backlog, self.settings))
 
     def _stats_age(self, replica_id: ReplicaID, now: float) -> float | None:

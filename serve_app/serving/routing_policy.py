@@ -31,7 +31,9 @@ requests leave the ledger.
 
 Estimated prefill backlog of a replica (tokens it must read before a new request's first token):
 
-    prompt tokens not yet computed in its last sample (`num_pending_prompt_tokens`)
+    prompt tokens not yet computed in its last sample (`num_pending_prompt_tokens`), less what the
+      replica has read since at its own fitted rate (`unread_prompt_tokens`: a sample taken while
+      a long prompt was being read says nothing of the next second, when it may be done)
     + prompt tokens of the requests this router sent there since that sample
 
 Score = occupancy + prefill_weight × backlog / (num_total_blocks × block_size). Occupancy alone treats
@@ -206,6 +208,16 @@ class ReplicaSample:
     @property
     def num_used_blocks(self) -> int:
         return self.num_total_blocks - self.num_free_blocks
+
+    def unread_prompt_tokens(self, age_s: float, step_token_budget: int) -> int:
+        """`num_pending_prompt_tokens` less what the replica has read in the `age_s` seconds since
+        the sample, at its fitted cost per prompt token (that token's share of a full step's fixed
+        and decode cost included); all of them when it has no fit yet."""
+        if self.prefill_s_per_token <= 0 or age_s <= 0:
+            return self.num_pending_prompt_tokens
+        per_step = self.step_fixed_s + self.num_running * self.decode_s_per_token
+        s_per_token = self.prefill_s_per_token + per_step / max(step_token_budget, 1)
+        return max(0, self.num_pending_prompt_tokens - int(age_s / s_per_token))
 
     @classmethod
     def parse(cls, stats: Mapping[str, Any] | None) -> ReplicaSample | None:

@@ -8,10 +8,12 @@ import asyncio
 
 import pytest
 
-from serve_app.block_hash import prefix_block_hashes
+from serve_app.block_hash import prefix_block_hashes, prompt_block_keys
 from serve_app.engine.kv_events import KVCachePublisher, KVEventLog
+from serve_app.serving.pending_prefixes import PendingPrefixes
 from serve_app.serving.prefix_router import PrefixAwareRouter
 from serve_app.serving.router import KVCacheAwareRouter
+from serve_app.serving.routing_policy import ReplicaSample
 from serve_app.types import GenerateRequest, SamplingParams
 from tests.router.fakes import BLOCK_SIZE, Clock, FakeReplica, make_router, pending, route
 
@@ -291,3 +293,48 @@ def test_stale_load_samples_still_route_by_cache_contents():
         assert kv.num_decisions == {"fallback": 1}  # the occupancy router falls back to least in-flight
 
     run(main())
+
+
+def test_a_prefix_another_router_sent_follows_its_group_before_it_is_cached():
+    """Replica `a` took a request of a new prefix group from another router (another ingress replica):
+    its sample shows the prompt queued (unread) and its block keys pending, nothing cached yet. This
+    router sends the next request of the group there; without the pending keys, the queued prompt
+    would make `a` look busy and split the group."""
+    async def main():
+        clock = Clock()
+        keys = prompt_block_keys(ask("first", 0).prompt_token_ids, BLOCK_SIZE)
+        for published_pending, expected in ((keys, "a"), ((), "b")):
+            router, a, b, ea, eb = setup(clock)
+            ea.publish(clock, unread=72, running=1)
+            eb.publish(clock)
+            a.routing_stats["kv_pending"] = list(published_pending)
+            chosen = await route(router, [a, b], pending(ask("second", 1)))
+            assert chosen.name == expected, (published_pending, chosen.name)
+        assert router.num_decisions == {"load": 1}
+
+    run(main())
+
+
+def test_queued_prompt_tokens_of_an_old_sample_drain_at_the_replicas_fitted_rate():
+    sample = ReplicaSample(0.1, 90, 100, 0, 2, 1000.0, 400, step_fixed_s=0.01, prefill_s_per_token=0.001,
+                           decode_s_per_token=0.002)
+    per_token = 0.001 + (0.01 + 2 * 0.002) / 512
+    assert sample.unread_prompt_tokens(0.0, 512) == 400
+    assert sample.unread_prompt_tokens(0.2, 512) == 400 - int(0.2 / per_token)
+    assert sample.unread_prompt_tokens(5.0, 512) == 0
+    no_fit = ReplicaSample(0.1, 90, 100, 0, 2, 1000.0, 400)
+    assert no_fit.unread_prompt_tokens(5.0, 512) == 400  # nothing measured: nothing assumed read
+
+
+def test_pending_prefixes_publish_until_the_first_token_and_cap_newest_first():
+    pending_prefixes = PendingPrefixes(BLOCK_SIZE, max_keys=6)
+    pending_prefixes.add("r1", [1, 2, 3])
+    pending_prefixes.add("r2", [1, 2, 4])  # the same first blocks: counted once
+    assert sorted(pending_prefixes.published()) == [1, 2, 3, 4]
+    pending_prefixes.done("r1")
+    assert sorted(pending_prefixes.published()) == [1, 2, 4]  # r2 still holds 1 and 2
+    pending_prefixes.add("r3", [10, 11, 12, 13, 14])
+    assert pending_prefixes.published() == [10, 11, 12, 13, 14, 1]  # capped: newest request's keys first
+    for rid in ("r2", "r3", "r3", "unknown"):
+        pending_prefixes.done(rid)
+    assert pending_prefixes.published() == [] and len(pending_prefixes) == 0
