@@ -94,6 +94,22 @@ class BlockManager:
             hits.append(block_id)
         return hits
 
+    def uncomputed_prompt_hashes(self, request: Request) -> list[BlockHash]:
+        """Hashes of the request's full prompt blocks not yet computed (empty without prefix caching):
+        what its prefill will add to the prefix cache."""
+        if not self.enable_prefix_caching:
+            return []
+        num_full = request.num_prompt_tokens // self.block_size
+        self._extend_hashes(request, num_full)
+        return request.block_hashes[request.num_computed_tokens // self.block_size:num_full]
+
+    def next_uncached_hash(self, request: Request, num_cached_blocks: int) -> BlockHash | None:
+        """The hash of the first block `find_cached_prefix` did not find (None: nothing more cacheable)."""
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        if not self.enable_prefix_caching or num_cached_blocks >= max_blocks:
+            return None
+        return request.block_hashes[num_cached_blocks]
+
     def cache_full_blocks(self, request: Request) -> None:
         """Publish the request's blocks that are now full of computed tokens to the prefix cache."""
         if not self.enable_prefix_caching:

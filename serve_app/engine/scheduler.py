@@ -106,6 +106,14 @@ class Scheduler:
             total += max(0, r.num_tokens - read - (1 if r.num_output_tokens else 0))
         return total
 
+    def _blocks_being_computed(self, picked: list[tuple[Request, int]]) -> set:
+        """Hashes of the prompt blocks the requests picked so far have yet to compute."""
+        computing: set = set()
+        for request, _ in picked:
+            if request.num_computed_tokens < request.num_prompt_tokens:
+                computing.update(self.block_manager.uncomputed_prompt_hashes(request))
+        return computing
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
@@ -139,11 +147,20 @@ class Scheduler:
 
         if not preempted:
             self._open_batch(now)
+            # prompt blocks the batch is computing: a waiting request whose next uncached block is one
+            # of them waits a step and then reads it from the cache instead of computing it again
+            # (requests sharing a new prefix that arrive together); continuous batching only, where
+            # order within the queue is not what batches are made of
+            computing = self._blocks_being_computed(picked) if self.config.batching == "continuous" else None
+            deferred: list[Request] = []
             while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 request = self.waiting[0]
                 if self.config.batching != "continuous" and request.request_id not in self._batch_ids:
                     break
                 cached = self.block_manager.find_cached_prefix(request)
+                if computing and self.block_manager.next_uncached_hash(request, len(cached)) in computing:
+                    deferred.append(self.waiting.popleft())
+                    continue
                 num_cached = len(cached) * self.block_manager.block_size
                 num_new = request.num_tokens - num_cached
                 if not chunked and num_new > budget:
@@ -152,6 +169,8 @@ class Scheduler:
                 if not self.block_manager.allocate_slots(request, num_new, cached):
                     break
                 self.waiting.popleft()
+                if computing is not None:
+                    computing.update(self.block_manager.uncomputed_prompt_hashes(request))
                 self.running.append(request)
                 request.status = RequestStatus.RUNNING
                 request.num_computed_tokens = num_cached
@@ -162,6 +181,8 @@ class Scheduler:
                     request.num_cached_tokens = num_cached
                 picked.append((request, num_new))
                 budget -= num_new
+
+            self.waiting.extendleft(reversed(deferred))  # back at the head, in their order
 
         spec = self._plan_speculation(picked, budget) if self.speculator is not None and budget > 0 else {}
         budget -= sum(len(p) for p in spec.values())

@@ -14,13 +14,19 @@ the router looks up exactly what the engine will) and `n` prompt tokens, on repl
                  steps_r = ceil(tokens_r / step_token_budget): the prefill work ahead of the first
                  token, plus the decode steps of the batch it joins, interleaved with it
 
+    cost_r     = TTFT_r + recompute_weight × (max over replicas of cached − cached_r) × prefill s/token
+
 with each replica's own step-cost fit (published with its routing stats; until it has one, the mean
-of the other replicas' fits, or the `default_*` settings when none has one). Replicas are ranked by TTFT_r; the KV occupancy projection of the occupancy router
+of the other replicas' fits, or the `default_*` settings when none has one). The second term of
+cost_r is the prefill a replica would spend recomputing blocks another replica already holds: it
+is taken from every request queued behind this one there, and the copy evicts other prefixes, so
+the request's own TTFT alone (greedy) would scatter prefix groups whenever the two queues differ by
+about one prompt. Replicas are ranked by cost_r; the KV occupancy projection of the occupancy router
 (`routing_policy`) is a constraint: a replica where the request would push the projection past
 `max_occupancy` (forcing preemption) ranks after every replica that has room. "Stick to the warm
 replica until the cold one is faster" falls out: a hot prefix spills to a second replica once the
-first one's queue costs more than reading the prefix again, and then it is cached there too.
-Costs within `ttft_tie_ratio` × the best + `ttft_tie_tolerance_s` are ties, broken by the replica that
+first one's queue costs more than reading the prefix again (twice, by default), and then it is
+cached there too. Costs within `ttft_tie_ratio` × the best + `ttft_tie_tolerance_s` are ties, broken by the replica that
 last served the request's `user` (a session), then by more cached tokens, then by rendezvous hashing
 of the prompt's first `affinity_blocks` blocks over the replica ids: with nothing cached anywhere yet
 (or not yet published), every router — one per ingress replica — independently sends prompts that
@@ -51,6 +57,7 @@ class PrefixCandidate:
     cached_tokens: int  # predicted prompt tokens the engine will find cached there
     queued_tokens: int  # prompt tokens it must read before this request's own
     ttft_s: float  # predicted time to first token
+    prefill_s_per_token: float  # the replica's cost of reading one prompt token (its fit, or the fleet's)
     occupancy_after: float  # KV occupancy projection with this request added
     has_room: bool
 
@@ -106,7 +113,8 @@ def make_candidate(view: ReplicaView, cached_blocks: int, num_prompt_tokens: int
     ttft = predict_ttft_s(view, queued + num_prompt_tokens - cached, settings, fallback)
     total = max(sample.num_total_blocks, 1) if sample else 1
     after = view.occupancy + max(request_blocks - cached_blocks, 0) / total if sample else math.inf
-    return PrefixCandidate(view, cached, queued, ttft, after, after <= settings.max_occupancy)
+    prefill_s = (published_costs(view) or fallback).prefill_s
+    return PrefixCandidate(view, cached, queued, ttft, prefill_s, after, after <= settings.max_occupancy)
 
 
 def affinity(keys: Sequence[int], replica_ids: Sequence[str], affinity_blocks: int) -> dict[str, float]:
@@ -127,19 +135,22 @@ def rank_by_ttft(candidates: Sequence[PrefixCandidate], settings: KVRouterSettin
     if not candidates:
         return [], "load"
     some_room = any(c.has_room for c in candidates)
+    most_cached = max(c.cached_tokens for c in candidates)
+    cost = {c.view.replica_id: c.ttft_s + settings.recompute_weight * (most_cached - c.cached_tokens) * c.prefill_s_per_token
+            for c in candidates}
 
     def key(c: PrefixCandidate) -> tuple:
         blocked = some_room and not c.has_room
-        return (blocked, c.ttft_s, c.view.replica_id)
+        return (blocked, cost[c.view.replica_id], c.view.replica_id)
 
     ordered = sorted(candidates, key=key)
-    best = ordered[0]
-    tied = [c for c in ordered if (c.has_room or not some_room) == (best.has_room or not some_room)
-            and c.ttft_s <= best.ttft_s * (1 + settings.ttft_tie_ratio) + settings.ttft_tie_tolerance_s]
+    best = cost[ordered[0].view.replica_id]
+    best_room = ordered[0].has_room or not some_room
+    tied = [c for c in ordered if (c.has_room or not some_room) == best_room
+            and cost[c.view.replica_id] <= best * (1 + settings.ttft_tie_ratio) + settings.ttft_tie_tolerance_s]
     tied.sort(key=lambda c: (c.view.replica_id != sticky_replica, -c.cached_tokens, noise.get(c.view.replica_id, 0.0)))
     ordered = tied + [c for c in ordered if c not in tied]
     chosen = ordered[0]
-    most_cached = max(c.cached_tokens for c in candidates)
     if chosen.cached_tokens > 0 and chosen.cached_tokens == most_cached:
         reason = "cache_hit"
     elif most_cached > chosen.cached_tokens:

@@ -25,6 +25,8 @@ router sent there, never told of evictions): their predictions are labelled `app
 
 from __future__ import annotations
 
+import asyncio
+import math
 from collections import OrderedDict
 from typing import Any
 
@@ -66,6 +68,7 @@ class PrefixAwareRouter(KVCacheAwareRouter):
         # request id → (predicted, actual cached tokens, prompt tokens), the newest 10k (tests, benchmarks)
         self.matched_predictions: OrderedDict[str, tuple[int, int, int]] = OrderedDict()
         self.last_candidates: list[PrefixCandidate] = []
+        self._sync_task: asyncio.Task | None = None
 
     def initialize_state(self, **kwargs: Any) -> None:
         self._configure(KVRouterSettings.from_kwargs(kwargs))
@@ -100,6 +103,23 @@ class PrefixAwareRouter(KVCacheAwareRouter):
         if self.metrics is not None:
             self.metrics.record_prediction(replica_id, predicted, actual, source)
 
+    def _start_sync(self) -> None:
+        """From the first decision on (on the router's event loop), fold every replica's broadcast in
+        each stats period even when nothing is being routed: the cached-token reports of the last
+        requests of a burst are matched (and exported) without waiting for the next request."""
+        if self._sync_task is None:
+            self._sync_task = asyncio.get_running_loop().create_task(self._sync_periodically())
+
+    async def _sync_periodically(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.stats_period_s)
+            try:
+                now = self._get_curr_time_s()
+                for replica in list(self._replicas.values()):
+                    self._sync(replica, now)
+            except Exception:  # noqa: BLE001 - a bad broadcast must not stop later ones from being read
+                logger.exception("PrefixAwareRouter: folding in a replica update failed")
+
     # ---- decisions ------------------------------------------------------------------------------
     def _request_keys(self, request: Any) -> list[int] | None:
         """Block keys of the request's cacheable prompt blocks (None without token ids)."""
@@ -122,6 +142,7 @@ class PrefixAwareRouter(KVCacheAwareRouter):
     ) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
+        self._start_sync()
         now = self._get_curr_time_s()
         self.ledger.expire(now, self.settings.reservation_ttl_s, self.settings.confirmed_ttl_s)
         self._expire_predictions(now)
@@ -138,6 +159,7 @@ class PrefixAwareRouter(KVCacheAwareRouter):
             cached = dict.fromkeys(order, 0)
             prompt_tokens = self._size(pending_request)[1] if pending_request is not None else 0
             uncached = dict.fromkeys(order, prompt_tokens)
+            ttft: dict[str, float] = {}
         else:
             num_tokens = len(request.prompt_token_ids)
             blocks = estimate_request_blocks(request, self.settings)
@@ -152,6 +174,7 @@ class PrefixAwareRouter(KVCacheAwareRouter):
             order = [c.view.replica_id for c in ordered]
             cached = {c.view.replica_id: c.cached_tokens for c in ordered}
             uncached = {c.view.replica_id: num_tokens - c.cached_tokens for c in ordered}
+            ttft = {c.view.replica_id: c.ttft_s for c in ordered}
         self.num_decisions[reason] += 1
         if self.metrics is not None:
             self.metrics.record_decision(reason, order[0])
@@ -160,7 +183,11 @@ class PrefixAwareRouter(KVCacheAwareRouter):
             # reserve now (concurrent decisions see it); Serve confirms it in on_request_routed
             internal_id = pending_request.metadata.internal_request_id
             blocks = estimate_request_blocks(request, self.settings) if request is not None else 0
-            self.ledger.reserve(internal_id, order[0], blocks, now, pending=pending_request, prompt_tokens=uncached[order[0]])
+            # its prompt counts as queued there until its predicted first token (+ one stats period:
+            # by then a sample shows what is really still queued)
+            done_at = now + ttft[order[0]] + self.settings.stats_period_s if order[0] in ttft else math.inf
+            self.ledger.reserve(internal_id, order[0], blocks, now, pending=pending_request, prompt_tokens=uncached[order[0]],
+                                prefill_done_at=done_at)
             if keys is not None:
                 self.recent.add(order[0], now, keys, internal_id)
                 self._choices[internal_id] = (request, order[0], cached)

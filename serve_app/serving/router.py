@@ -127,7 +127,7 @@ class KVCacheAwareRouter(FIFOMixin, RequestRouter):
             return ReplicaView(replica_id, None, None, in_flight)
         taken = self._sample_time(replica_id, stats, sample, now)
         cut = taken - self.settings.sample_lag_s
-        blocks, requests, prompt_tokens = self.ledger.since(replica_id, cut)
+        blocks, requests, prompt_tokens = self.ledger.since(replica_id, cut, now)
         own_blocks, own_requests = self.ledger.newest_before(replica_id, cut, sample.num_waiting)
         waiting = waiting_demand(sample, own_blocks, own_requests, self._mean_request_blocks)
         own_final_blocks = self.ledger.since(replica_id, None)[0]

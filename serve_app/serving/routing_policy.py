@@ -103,6 +103,10 @@ class KVRouterSettings:
     max_occupancy: float = 1.0  # a projection above this forces preemption: only if no replica has room
     ttft_tie_tolerance_s: float = 0.01  # predicted TTFTs within ratio × best + this are ties (user, cached, affinity)
     ttft_tie_ratio: float = 0.1
+    # seconds of prefill a replica would spend recomputing prefix blocks another replica holds count
+    # this many times against it (the work is taken from the requests queued behind it, and the copy
+    # evicts other prefixes there): 0 ranks by this request's predicted TTFT alone
+    recompute_weight: float = 1.0
     affinity_blocks: int = 4  # ties go by a rendezvous hash of the prompt's first this many blocks
     metrics: str = "ray"  # "ray" (ray.serve.metrics), "prometheus" (own registry, for tests) or "none"
     seed: int | None = None  # random tie-break among equal replicas
@@ -111,7 +115,7 @@ class KVRouterSettings:
         _require(isinstance(self.block_size, int) and self.block_size >= 1, "block_size", "must be an integer >= 1")
         for name in ("prompt_weight", "output_weight", "waiting_weight", "prefill_weight", "tie_tolerance", "sample_lag_s",
                      "max_stats_age_s", "default_prefill_s_per_token", "default_decode_s_per_token", "default_step_fixed_s",
-                     "ttft_tie_tolerance_s", "ttft_tie_ratio"):
+                     "ttft_tie_tolerance_s", "ttft_tie_ratio", "recompute_weight"):
             value = getattr(self, name)
             _require(isinstance(value, int | float) and value >= 0 and math.isfinite(value), name, "must be a finite number >= 0")
         _require(isinstance(self.max_expected_output_tokens, int) and self.max_expected_output_tokens >= 0,
@@ -247,6 +251,9 @@ class LedgerEntry:
     prompt_tokens: int = 0
     confirmed: bool = False  # Serve reported it routed (accepted by the replica)
     pending: Any = None  # the PendingRequest of an unconfirmed choice (to notice cancellation)
+    # when its prompt is predicted to have been read (routed_at + predicted TTFT, for routers that
+    # predict it): from then on its prompt tokens no longer count as queued there
+    prefill_done_at: float = math.inf
 
 
 @dataclass
@@ -272,19 +279,21 @@ class InFlightLedger:
             on_replica.pop(entry.request_id, None)
 
     def reserve(self, request_id: str, replica_id: str, blocks: int, now: float, pending: Any = None,
-                prompt_tokens: int = 0) -> None:
+                prompt_tokens: int = 0, prefill_done_at: float = math.inf) -> None:
         old = self.entries.get(request_id)
         if old is not None:
             if old.confirmed:  # already routed: a duplicate choice changes nothing
                 return
             self._unplace(old)
-        self._place(LedgerEntry(request_id, replica_id, blocks, now, prompt_tokens, pending=pending))
+        self._place(LedgerEntry(request_id, replica_id, blocks, now, prompt_tokens, pending=pending,
+                                prefill_done_at=prefill_done_at))
 
     def confirm(self, request_id: str, replica_id: str, blocks: int, now: float, prompt_tokens: int = 0) -> LedgerEntry:
         entry = self.entries.get(request_id)
         if entry is not None and entry.replica_id != replica_id:
             self._unplace(entry)
-            entry = LedgerEntry(request_id, replica_id, entry.blocks, now, entry.prompt_tokens)
+            entry = LedgerEntry(request_id, replica_id, entry.blocks, now, entry.prompt_tokens,
+                                prefill_done_at=now + (entry.prefill_done_at - entry.routed_at))
             self._place(entry)
         elif entry is None:
             entry = LedgerEntry(request_id, replica_id, blocks, now, prompt_tokens)
@@ -331,14 +340,16 @@ class InFlightLedger:
                        key=lambda e: e.routed_at, reverse=True)[:n]
         return sum(e.blocks for e in older), len(older)
 
-    def since(self, replica_id: str, t: float | None) -> tuple[int, int, int]:
-        """(blocks, requests, prompt tokens) routed to the replica after time `t` (None: all in flight)."""
+    def since(self, replica_id: str, t: float | None, now: float | None = None) -> tuple[int, int, int]:
+        """(blocks, requests, prompt tokens) routed to the replica after time `t` (None: all in flight);
+        with `now`, prompt tokens only of the requests whose prompt is not yet predicted read."""
         blocks = count = prompt_tokens = 0
         for entry in self.by_replica.get(replica_id, {}).values():
             if t is None or entry.routed_at > t:
                 blocks += entry.blocks
                 count += 1
-                prompt_tokens += entry.prompt_tokens
+                if now is None or now < entry.prefill_done_at:
+                    prompt_tokens += entry.prompt_tokens
         return blocks, count, prompt_tokens
 
 

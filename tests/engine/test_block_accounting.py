@@ -179,3 +179,31 @@ def test_static_waits_for_a_full_batch_then_runs_it_to_completion():
     assert scheduler.schedule().is_empty  # c alone waits for a full batch ...
     clock[0] += 5.0
     assert [s.request_id for s in scheduler.schedule().scheduled] == ["c"]  # ... until its timeout
+
+
+def test_requests_arriving_together_with_a_new_shared_prefix_compute_it_once():
+    """`b` and `c` share `a`'s new 3-block prefix and arrive with it: they wait one step, then read it
+    from the cache; `d` (nothing shared) is not held back."""
+    scheduler, bm = make_scheduler(num_blocks=32, budget=256, max_seqs=4)
+    shared = list(range(1000, 1012))  # three full blocks
+    for rid, tail in (("a", [1, 2]), ("b", [3, 4, 5]), ("d", None), ("c", [6])):
+        prompt = list(range(2000, 2010)) if tail is None else shared + tail
+        scheduler.add_request(Request(rid, prompt, SamplingParams(max_tokens=3), None, 0.0))
+    first = step(scheduler)
+    assert [s.request_id for s in first.scheduled] == ["a", "d"]
+    assert scheduler.num_pending_prompt_tokens == 15 + 13  # b and c still wait, in their order
+    assert [r.request_id for r in scheduler.waiting] == ["b", "c"]
+    second = step(scheduler)
+    started = {s.request_id: (s.start_pos, s.num_tokens) for s in second.scheduled if s.request_id in "bc"}
+    assert started == {"b": (12, 3), "c": (12, 1)}
+    while scheduler.has_unfinished_requests():
+        step(scheduler)
+    bm.check_integrity()
+
+
+def test_without_continuous_batching_nobody_is_held_back_for_a_shared_prefix():
+    scheduler, _ = make_scheduler(num_blocks=32, budget=256, max_seqs=4, batching="dynamic")
+    shared = list(range(1000, 1012))
+    for rid in ("a", "b"):
+        scheduler.add_request(Request(rid, shared + [ord(rid)], SamplingParams(max_tokens=2), None, 0.0))
+    assert [s.request_id for s in step(scheduler).scheduled] == ["a", "b"]
