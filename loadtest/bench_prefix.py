@@ -69,6 +69,8 @@ def app_args(router: str, opts: argparse.Namespace) -> dict[str, Any]:
         args["request_router_class"] = RAY_ROUTER
     else:
         args["router"] = router
+    if opts.router_kwargs and router in ("prefix_aware", "kv_aware"):
+        args["router_kwargs"] = json.loads(opts.router_kwargs)
     return args
 
 
@@ -157,7 +159,9 @@ def summarize(spec: WorkloadSpec, rows: list[dict[str, Any]], wall_s: float, cac
     ok = [r for r in rows if r["error"] is None and r["ttft_s"] is not None]
     ttft = [r["ttft_s"] for r in ok]
     hits = sum(r["cached_tokens"] for r in ok)
-    ideal = ideal_hits(spec, rows, cache_tokens)
+    # per seed (each seed's groups are its own, numbered from 0 like the others'), then summed
+    ideal = sum(ideal_hits(spec, [r for r in rows if r.get("seed") == seed], cache_tokens)
+                for seed in sorted({r.get("seed") for r in rows}, key=str))
     out = {"num_requests": len(rows), "num_errors": len(rows) - len(ok),
            "ttft_p50_s": pct(ttft, 0.5), "ttft_p99_s": pct(ttft, 0.99), "e2e_p99_s": pct([r["e2e_s"] for r in ok], 0.99),
            "wall_s": wall_s, "requests_per_s": len(ok) / wall_s if wall_s else None,
@@ -350,6 +354,7 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--scale", type=float, default=1.0, help="multiplies request counts")
     parser.add_argument("--prefix-words", type=int, default=360, help="words per shared prefix (~1.55 tokens each)")
+    parser.add_argument("--router-kwargs", default="", help='JSON settings for the KV routers, e.g. \'{"recompute_weight": 2}\'')
     parser.add_argument("--out-dir", default=None)
     parser.add_argument("--quick", action="store_true",
                         help="one seed, 256-block caches, half-length prefixes, 3/4 of the requests (a few minutes)")

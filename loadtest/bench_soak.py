@@ -196,6 +196,9 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=300, help="requests in flight (local.yaml admits 2 x 64 + 128 queued: some 503s)")
     parser.add_argument("--max-tokens", type=int, default=4)
     parser.add_argument("--quick", action="store_true", help="60-request rounds, into build/bench-soak-quick/")
+    parser.add_argument("--trim", action="store_true",
+                        help="after each round's reading, have each replica return its allocator's free pages "
+                             "(malloc_trim) and record how much RSS that gave back")
     parser.add_argument("--out-dir", default="")
     opts = parser.parse_args()
     if opts.quick:
@@ -232,10 +235,14 @@ def main() -> None:
             assert replica_pids() == pids, "a replica was replaced during the soak"
             point = {"requests": sent, "rss": {n: rss_bytes(p) for n, p in pids.items()}, "outcomes": dict(outcomes),
                      "round_s": time.monotonic() - started}
+            if opts.trim:
+                point["trimmed_bytes"] = trim_heaps()
             results["points"].append(point)
             label = "warm-up" if round_index == 0 else f"round {round_index}/{opts.rounds}"
             print(f"[soak] {label}: {sent} requests, {dict(outcomes)}, {point['round_s']:.0f} s, RSS MiB "
-                  + ", ".join(f"{n}={v / 2**20:.1f}" for n, v in point["rss"].items()), flush=True)
+                  + ", ".join(f"{n}={v / 2**20:.1f}" for n, v in point["rss"].items())
+                  + (f", trim gave back MiB {({n: round(v / 2**20, 1) for n, v in point['trimmed_bytes'].items()})}"
+                     if opts.trim else ""), flush=True)
         results["summary"] = summarize(results["points"], opts.round_size)
     finally:
         results["loadavg_end"] = " ".join(f"{x:.2f}" for x in os.getloadavg())

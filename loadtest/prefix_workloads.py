@@ -7,7 +7,8 @@ replica's KV cache (`cache_tokens`):
 
 - shared: groups sharing a long system prompt; distinct prefixes ≈ `shared_factor` × one replica's
   cache (they fit in the cluster only if partitioned); short questions and outputs;
-- chat: multi-turn chats (3-6 turns), each with its own system prompt, history re-sent;
+- chat: multi-turn chats (3-6 turns), each with its own system prompt (half a shared prefix), history
+  re-sent; enough chats that their histories ≈ `shared_factor` × one replica's cache;
 - hot: one prefix carrying most of the load (plus some one-off prompts), many in flight;
 - w3: W3's skewed traces (random prompts, nothing shared): the regression check;
 - evict: like shared, distinct prefixes ≈ `evict_factor` × the whole cluster's cache.
@@ -78,8 +79,10 @@ def make_workloads(cache_tokens: int, seed: int, scale: float = 1.0, shared_fact
     n = lambda x: max(2, round(x * scale))  # noqa: E731
     shared_groups = max(2, round(shared_factor * cache_tokens / prefix_tokens))
     evict_groups = max(3, round(evict_factor * 2 * cache_tokens / prefix_tokens))
+    # chats: their system prompts and histories (~1.4x a system prompt by the last turn) ≈ shared_factor x
+    # one replica's cache, so they too stay cached only if partitioned
     chats = []
-    for c in range(n(8)):
+    for c in range(max(2, round(shared_factor * cache_tokens / (prefix_tokens * 0.7) * scale))):
         turns = rng.randint(3, 6)
         chats.append(Script("chat", c, [Step(question=f"Turn {t}: {words(rng, 8)}?", max_tokens=8) for t in range(turns)],
                             system=f"Chat {c} system: " + words(rng, prefix_words // 2)))

@@ -25,7 +25,7 @@ about one prompt. Replicas are ranked by cost_r; the KV occupancy projection of 
 (`routing_policy`) is a constraint: a replica where the request would push the projection past
 `max_occupancy` (forcing preemption) ranks after every replica that has room. "Stick to the warm
 replica until the cold one is faster" falls out: a hot prefix spills to a second replica once the
-first one's queue costs more than reading the prefix again (twice, by default), and then it is
+first one's queue costs more than reading the prefix again (three times, by default), and then it is
 cached there too. Costs within `ttft_tie_ratio` × the best + `ttft_tie_tolerance_s` are ties, broken by the replica that
 last served the request's `user` (a session), then by more cached tokens, then by rendezvous hashing
 of the prompt's first `affinity_blocks` blocks over the replica ids: with nothing cached anywhere yet

@@ -106,7 +106,7 @@ class KVRouterSettings:
     # seconds of prefill a replica would spend recomputing prefix blocks another replica holds count
     # this many times against it (the work is taken from the requests queued behind it, and the copy
     # evicts other prefixes there): 0 ranks by this request's predicted TTFT alone
-    recompute_weight: float = 1.0
+    recompute_weight: float = 2.0
     affinity_blocks: int = 4  # ties go by a rendezvous hash of the prompt's first this many blocks
     metrics: str = "ray"  # "ray" (ray.serve.metrics), "prometheus" (own registry, for tests) or "none"
     seed: int | None = None  # random tie-break among equal replicas

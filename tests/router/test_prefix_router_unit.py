@@ -338,3 +338,21 @@ def test_pending_prefixes_publish_until_the_first_token_and_cap_newest_first():
     for rid in ("r2", "r3", "r3", "unknown"):
         pending_prefixes.done(rid)
     assert pending_prefixes.published() == [] and len(pending_prefixes) == 0
+
+
+def test_recomputing_a_prefix_held_elsewhere_counts_against_the_cold_replica():
+    """`a` holds the prefix and has 100 prompt tokens queued: `b` would give this request its first
+    token sooner (72 tokens cold vs 108), but would spend 64 tokens recomputing what `a` holds. With
+    the default weight the group stays on `a`; with weight 0 (TTFT alone) it goes to `b`."""
+    async def main():
+        for weight, expected in ((None, "a"), (0.0, "b")):
+            clock = Clock()
+            router, a, b, ea, eb = setup(clock, **({} if weight is None else {"recompute_weight": weight}))
+            ea.cache(PREFIX)
+            ea.publish(clock, unread=100)
+            eb.publish(clock)
+            assert (await route(router, [a, b], pending(ask("q", 1)))).name == expected, weight
+            ttft = {c.view.replica_id: c.ttft_s for c in router.last_candidates}
+            assert ttft["b"] < ttft["a"]
+
+    run(main())
