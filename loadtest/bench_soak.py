@@ -6,7 +6,8 @@ streamed completions (short prompts, few output tokens: what matters is the requ
 sent through the real path (proxy → ingress → router → replica → SSE), `--concurrency` at once,
 which is beyond what the deployment admits, so some answers are 503 + Retry-After as in production.
 After each round (every replica idle) the resident set size of each LLMServer replica process is
-read from /proc. One warm-up round, then `--rounds` rounds of the same size (10× the warm-up's
+read from /proc once every replica has been idle for `SETTLE_S` (long enough for its idle heap
+trim). One warm-up round, then `--rounds` rounds of the same size (10× the warm-up's
 requests by default); the figure of merit is each replica's RSS growth from the end of the warm-up
 to the end of the run (target < 2%), with the per-request slope of a least-squares fit.
 
@@ -38,6 +39,7 @@ from loadtest.replica_probe import serve_replicas  # noqa: E402
 
 APP = "bench-soak"
 TARGET_GROWTH = 0.02
+SETTLE_S = 6.0  # > IdleHeapTrimmer's interval: RSS is read once each replica has been idle that long
 
 
 def free_port() -> int:
@@ -92,7 +94,7 @@ def wait_idle(timeout_s: float = 120.0) -> None:
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        stats = [ray.get(a.routing_stats.remote(), timeout=30) for a in serve_replicas(APP).values()]
+        stats = [ray.get(a.record_routing_stats.remote(), timeout=30) for a in serve_replicas(APP).values()]
         if all(s["num_running"] == s["num_waiting"] == 0 and s["num_free_blocks"] == s["num_total_blocks"] for s in stats):
             return
         time.sleep(0.5)
@@ -232,6 +234,7 @@ def main() -> None:
             outcomes = asyncio.run(run_round(base_url, model, sent, opts.round_size, opts))
             sent += opts.round_size
             wait_idle()
+            time.sleep(SETTLE_S)  # idle replicas give their freed heap back (serve_app.serving.heap_trim)
             assert replica_pids() == pids, "a replica was replaced during the soak"
             point = {"requests": sent, "rss": {n: rss_bytes(p) for n, p in pids.items()}, "outcomes": dict(outcomes),
                      "round_s": time.monotonic() - started}

@@ -41,6 +41,7 @@ from serve_app.block_hash import prompt_block_keys
 from serve_app.config import ServeConfig
 from serve_app.metrics.loggers import RayStatLogger
 from serve_app.serving.drain import shutdown_probe
+from serve_app.serving.heap_trim import IdleHeapTrimmer
 from serve_app.serving.pending_prefixes import PendingPrefixes
 from serve_app.serving.stream_batching import GenerationChunk, batch_stream
 from serve_app.types import GenerateRequest
@@ -97,6 +98,7 @@ class LLMServer:
         self._info = self.backend.model_info()
         self._in_flight: dict[str, asyncio.Task] = {}  # open `generate` calls by request id
         self._pending = PendingPrefixes(config.kv_block_size)  # prompts not yet prefilled (routers read them)
+        self._heap = IdleHeapTrimmer()
         self._drain_task = asyncio.get_running_loop().create_task(self._drain_on_shutdown())
         logger.info("LLMServer replica ready: model %s, context %d tokens, torch threads %s",
                     self._info.name, self._info.max_model_len, threads or "n/a")
@@ -124,6 +126,7 @@ class LLMServer:
         finally:
             self._in_flight.pop(request.request_id, None)
             self._pending.done(request.request_id)
+            self._heap.served()
             if self.config.log_requests:
                 logger.info("request %s: prompt %r → %d tokens (%s)", request.request_id,
                             request.prompt if request.messages is None else request.messages, num_tokens, reason)
@@ -143,6 +146,7 @@ class LLMServer:
         # controller re-broadcasts each one (it only pushes changed stats)
         # the prefix-cache update (`kv_*` keys, serve_app.engine.kv_events) goes only here: it is
         # incremental, and a probe calling `routing_stats()` must not consume a poll's delta
+        self._heap.maybe_trim(len(self._in_flight))  # polled every period: an idle replica gives back freed heap
         return {**self.backend.routing_stats().as_dict(), **self.backend.prefix_cache_update(),
                 "kv_pending": self._pending.published(), "sampled_at": time.time()}
 

@@ -91,8 +91,28 @@ def rope_inv_freq(args: LlamaArgs) -> torch.Tensor:
     raise ValueError(f"model: rope scaling {kind!r} is not supported")
 
 
+def linear_rows_bucket(num_rows: int) -> int:
+    """The row count a packed matmul runs at: exact up to 8, then a multiple of 8 up to 64, then of 64.
+
+    oneDNN builds (and caches, up to 1024 per process) a primitive for every input shape. A serving
+    engine sees nearly every token count up to its step budget, so the cache would fill with ~0.5 MB
+    primitives (a replica's RSS grew by ~0.5 GB before it stopped) and keep building new ones. Padded
+    to these buckets there are at most 8 + 7 + budget / 64 shapes per projection; the extra rows cost
+    little (under 64 tokens of a long prefill; small matmuls are bound by reading the weight)."""
+    if num_rows <= 8:
+        return num_rows
+    step = 8 if num_rows <= 64 else 64
+    return -(-num_rows // step) * step
+
+
 def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear for a weight packed by `torch.ops.mkldnn._reorder_linear_weight`."""
+    """F.linear for a weight packed by `torch.ops.mkldnn._reorder_linear_weight`, the rows padded to
+    `linear_rows_bucket` (each output row depends on its input row only)."""
+    rows = x.shape[0]
+    padded = linear_rows_bucket(rows)
+    if padded != rows:
+        x = F.pad(x, (0, 0, 0, padded - rows))
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")[:rows]
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
