@@ -99,6 +99,7 @@ class LLMServer:
         self._in_flight: dict[str, asyncio.Task] = {}  # open `generate` calls by request id
         self._pending = PendingPrefixes(config.kv_block_size)  # prompts not yet prefilled (routers read them)
         self._heap = IdleHeapTrimmer()
+        self._cut: set[str] = set()  # requests the drain cancelled (their streams end with an abort chunk)
         self._drain_task = asyncio.get_running_loop().create_task(self._drain_on_shutdown())
         logger.info("LLMServer replica ready: model %s, context %d tokens, torch threads %s",
                     self._info.name, self._info.max_model_len, threads or "n/a")
@@ -123,7 +124,15 @@ class LLMServer:
                         self._pending.done(request.request_id)
                     reason = chunk.finish_reason
                     yield chunk
+        except asyncio.CancelledError:
+            if request.request_id not in self._cut:
+                raise  # the caller went away
+            # the drain cut it (the engine did not answer its abort): end the stream with an abort
+            # the caller can report, rather than a stream that just stops
+            reason = "abort"
+            yield GenerationChunk("", (), True, "abort", len(request.prompt_token_ids or ()))
         finally:
+            self._cut.discard(request.request_id)
             self._in_flight.pop(request.request_id, None)
             self._pending.done(request.request_id)
             self._heap.served()
@@ -183,7 +192,8 @@ class LLMServer:
             try:
                 await asyncio.wait_for(aborts, ABORT_GRACE_S / 2)
             except TimeoutError:
-                for task in left.values():
+                for request_id, task in left.items():
+                    self._cut.add(request_id)
                     task.cancel()
         return len(left)
 

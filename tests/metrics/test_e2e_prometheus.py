@@ -156,8 +156,6 @@ def test_known_traffic_reaches_prometheus_exactly(prometheus, load):
     assert _scalar(prometheus, "sum(ray_llm_num_requests_running)") == 0
 
 
-@pytest.mark.xfail(strict=False, reason="known defect, open: the prefix router's predicted-vs-actual cached-token "
-                   "series stayed empty in this deployment (every other panel has data)")
 def test_every_dashboard_panel_returns_data(served, prometheus, load):
     board = dash.load()
     variables = dash.variables(board)

@@ -202,8 +202,6 @@ def test_engine_death_fails_health_check_and_replica_is_replaced(app):
             assert r.status_code == 200, r.text
 
 
-@pytest.mark.xfail(strict=False, reason="known defect, open: Serve replaces the hung replica, but its in-flight streams "
-                   "can end without the engine_error event the clients should get")
 def test_hung_engine_fails_health_check_and_replica_is_replaced(app):
     wait_until_idle(2)
     before = set(replica_actors())
