@@ -129,9 +129,8 @@ def affinity(keys: Sequence[int], replica_ids: Sequence[str], affinity_blocks: i
 
 def rank_by_ttft(candidates: Sequence[PrefixCandidate], settings: KVRouterSettings, noise: dict[str, float],
                  sticky_replica: str | None = None) -> tuple[list[PrefixCandidate], str]:
-    """`noise`: the last tie-break per replica (`affinity`, or random)."""
     """Best first, and the decision's reason (see module docstring; not `fallback`, which the caller
-    decides when statistics are stale)."""
+    decides when statistics are stale). `noise`: the last tie-break per replica (`affinity`)."""
     if not candidates:
         return [], "load"
     some_room = any(c.has_room for c in candidates)
