@@ -64,23 +64,6 @@ def replica_pids() -> dict[str, int]:
     return {name: ray.get(ref, timeout=60) for name, ref in refs.items()}
 
 
-def trim_heaps() -> dict[str, int]:
-    """Ask each replica's C allocator to return its free heap pages to the OS (glibc `malloc_trim`);
-    the bytes RSS dropped by, per replica. RSS that comes back this way was freed memory the
-    allocator kept, not memory still held."""
-    import ray
-
-    def trim(_self) -> int:
-        import ctypes
-
-        before = rss_bytes(os.getpid())
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-        return before - rss_bytes(os.getpid())
-
-    actors = serve_replicas(APP)
-    return {name: ray.get(actor.__ray_call__.remote(trim), timeout=60) for name, actor in actors.items()}
-
-
 def rss_bytes(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -198,9 +181,6 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=300, help="requests in flight (local.yaml admits 2 x 64 + 128 queued: some 503s)")
     parser.add_argument("--max-tokens", type=int, default=4)
     parser.add_argument("--quick", action="store_true", help="60-request rounds, into build/bench-soak-quick/")
-    parser.add_argument("--trim", action="store_true",
-                        help="after each round's reading, have each replica return its allocator's free pages "
-                             "(malloc_trim) and record how much RSS that gave back")
     parser.add_argument("--out-dir", default="")
     opts = parser.parse_args()
     if opts.quick:
@@ -238,14 +218,10 @@ def main() -> None:
             assert replica_pids() == pids, "a replica was replaced during the soak"
             point = {"requests": sent, "rss": {n: rss_bytes(p) for n, p in pids.items()}, "outcomes": dict(outcomes),
                      "round_s": time.monotonic() - started}
-            if opts.trim:
-                point["trimmed_bytes"] = trim_heaps()
             results["points"].append(point)
             label = "warm-up" if round_index == 0 else f"round {round_index}/{opts.rounds}"
             print(f"[soak] {label}: {sent} requests, {dict(outcomes)}, {point['round_s']:.0f} s, RSS MiB "
-                  + ", ".join(f"{n}={v / 2**20:.1f}" for n, v in point["rss"].items())
-                  + (f", trim gave back MiB {({n: round(v / 2**20, 1) for n, v in point['trimmed_bytes'].items()})}"
-                     if opts.trim else ""), flush=True)
+                  + ", ".join(f"{n}={v / 2**20:.1f}" for n, v in point["rss"].items()), flush=True)
         results["summary"] = summarize(results["points"], opts.round_size)
     finally:
         results["loadavg_end"] = " ".join(f"{x:.2f}" for x in os.getloadavg())

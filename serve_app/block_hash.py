@@ -58,10 +58,16 @@ def prefix_block_hashes(token_ids: Sequence[int], block_size: int, salt: bytes |
     return extend_block_hashes([], token_ids, block_size, len(token_ids) // block_size, salt)
 
 
+def max_cacheable_blocks(num_tokens: int, block_size: int) -> int:
+    """Leading blocks an engine may serve from its prefix cache: every full block but one holding the
+    last token (its logits are needed to sample, so it is always computed)."""
+    return max(num_tokens - 1, 0) // block_size
+
+
 def prompt_block_keys(token_ids: Sequence[int], block_size: int, salt: str | None = None) -> list[int]:
-    """Routing keys of the prompt blocks an engine can serve from its prefix cache: every full block
-    but one holding the last prompt token (the engine always computes that one), first block first."""
-    num_blocks = max(len(token_ids) - 1, 0) // block_size
+    """Routing keys of the prompt blocks an engine can serve from its prefix cache
+    (`max_cacheable_blocks`), first block first."""
+    num_blocks = max_cacheable_blocks(len(token_ids), block_size)
     hashes = prefix_block_hashes(token_ids[: num_blocks * block_size], block_size, salt.encode() if salt else None)
     return [block_key(h) for h in hashes]
 

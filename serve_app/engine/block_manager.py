@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from serve_app.block_hash import BlockHash, extend_block_hashes
+from serve_app.block_hash import BlockHash, extend_block_hashes, max_cacheable_blocks
 from serve_app.engine.kv_events import KVEventLog
 from serve_app.engine.request import Request
 
@@ -84,7 +84,7 @@ class BlockManager:
         """
         if not self.enable_prefix_caching:
             return []
-        max_blocks = (request.num_tokens - 1) // self.block_size
+        max_blocks = max_cacheable_blocks(request.num_tokens, self.block_size)
         self._extend_hashes(request, max_blocks)
         hits: list[int] = []
         for block_hash in request.block_hashes[:max_blocks]:
@@ -105,7 +105,7 @@ class BlockManager:
 
     def next_uncached_hash(self, request: Request, num_cached_blocks: int) -> BlockHash | None:
         """The hash of the first block `find_cached_prefix` did not find (None: nothing more cacheable)."""
-        max_blocks = (request.num_tokens - 1) // self.block_size
+        max_blocks = max_cacheable_blocks(request.num_tokens, self.block_size)
         if not self.enable_prefix_caching or num_cached_blocks >= max_blocks:
             return None
         return request.block_hashes[num_cached_blocks]

@@ -151,7 +151,8 @@ class Scheduler:
             # of them waits a step and then reads it from the cache instead of computing it again
             # (requests sharing a new prefix that arrive together); continuous batching only, where
             # order within the queue is not what batches are made of
-            computing = self._blocks_being_computed(picked) if self.config.batching == "continuous" else None
+            computing = (self._blocks_being_computed(picked)
+                         if self.waiting and self.config.batching == "continuous" else None)
             deferred: list[Request] = []
             while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 request = self.waiting[0]

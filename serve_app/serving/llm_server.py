@@ -119,9 +119,9 @@ class LLMServer:
         try:
             async with contextlib.aclosing(batch_stream(self.backend.generate(request), self.config.stream_batch_interval_s)) as chunks:
                 async for chunk in chunks:
-                    num_tokens += len(chunk.token_ids)
-                    if chunk.token_ids:
+                    if chunk.token_ids and not num_tokens:  # the first token: its prompt is prefilled
                         self._pending.done(request.request_id)
+                    num_tokens += len(chunk.token_ids)
                     reason = chunk.finish_reason
                     yield chunk
         except asyncio.CancelledError:

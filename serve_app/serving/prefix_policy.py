@@ -45,7 +45,7 @@ from collections import Counter, OrderedDict, deque
 from collections.abc import Container, Sequence
 from dataclasses import dataclass
 
-from serve_app.block_hash import leading_run
+from serve_app.block_hash import leading_run, max_cacheable_blocks
 from serve_app.serving.routing_policy import KVRouterSettings, ReplicaView
 
 
@@ -60,11 +60,6 @@ class PrefixCandidate:
     prefill_s_per_token: float  # the replica's cost of reading one prompt token (its fit, or the fleet's)
     occupancy_after: float  # KV occupancy projection with this request added
     has_room: bool
-
-
-def max_cacheable_blocks(num_prompt_tokens: int, block_size: int) -> int:
-    """The engine serves at most this many leading blocks from its cache (the last token is computed)."""
-    return max(num_prompt_tokens - 1, 0) // block_size
 
 
 @dataclass(frozen=True)
