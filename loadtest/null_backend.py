@@ -320,6 +320,7 @@ class NullBackend(Backend):
         outputs = engine.add(seq)
         finished = False
         try:
+            yield RequestOutput.admitted(request.request_id, processed.prompt_token_ids, request.arrival_time)
             while not finished:
                 item = await outputs.get()
                 if isinstance(item, BaseException):

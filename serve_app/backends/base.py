@@ -8,11 +8,10 @@ Contracts:
 - `generate(request)` is an async iterator of `RequestOutput` *deltas* (text and token ids new since
   the previous item), ending with one whose `finished` is True. Invalid input raises `ValueError`
   whose message starts with the field name ("prompt: ...", "max_tokens: ...") from the first
-  iteration, before anything is queued. The first item may be an empty delta (no tokens, not
-  finished) that confirms the request was accepted before its first token (the native backend sends
-  one; vLLM adds a request only when its output stream is first read, so there the first token is
-  the first item); the ingress then sends a stream's headers without waiting for the first token. Leaving the iteration early (`aclose()`, task cancellation)
-  aborts the request and frees its KV cache.
+  iteration, before anything is queued. The first item is an empty delta (no tokens, not finished)
+  that confirms the request was queued, before its first token; the ingress then sends a stream's
+  headers (and keep-alive comments while it waits) without waiting for the first token. Leaving
+  the iteration early (`aclose()`, task cancellation) aborts the request and frees its KV cache.
 - `abort(request_id)` returns once the request's resources are free (no-op for unknown ids).
 - `routing_stats()` is cheap and non-blocking (called every routing-stats period).
 - `prefix_cache_update()` (optional) is the incremental view of what the prefix cache holds

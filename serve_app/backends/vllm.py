@@ -9,9 +9,9 @@ dashboards do not care which one serves:
   `InputProcessor` the native engine uses (same ids for the same request on both backends, same
   "prompt: ..." / "messages: ..." ValueErrors, raised on the first iteration before anything is
   queued); vLLM receives token ids.
-- `generate` streams deltas (`RequestOutputKind.DELTA`); leaving it early (`aclose()`, task
-  cancellation) closes vLLM's stream, which aborts the request in the engine core and frees its KV
-  blocks. `abort(request_id)` ends a running stream with an `abort` finish.
+- `generate` streams deltas (`RequestOutputKind.DELTA`), the first an empty one as soon as vLLM has
+  queued the request (so the stream's headers do not wait for the first token); leaving it early
+  (`aclose()`, task cancellation) aborts the request in the engine core, which frees its KV blocks. `abort(request_id)` ends a running stream with an `abort` finish.
 - Routing stats and our metric names come from vLLM's stat-logger hook (`backends/vllm_stats.py`);
   aborted requests, which vLLM leaves out of its stats, are recorded here.
 - `check_health` raises `BackendDeadError` once vLLM's engine core has died;
@@ -79,6 +79,7 @@ class VLLMBackend(Backend):
         self._max_model_len = 0
         self._dead_errors: tuple[type[BaseException], ...] = (BackendDeadError,)
         self._tokens_input: Any = None
+        self._stream_finished: Any = None  # vLLM's end-of-stream sentinel in a request's output queue
         self._active: set[str] = set()  # request ids whose streams are open
         self._busy_since = time.monotonic()  # when `_active` last became non-empty
         # prompt tokens of open requests with no token yet: the frontend's view of vLLM's queued prefill
@@ -101,6 +102,7 @@ class VLLMBackend(Backend):
             logger.warning("VLLM_CPU_KVCACHE_SPACE=%s overrides kv_cache_memory_gib", os.environ["VLLM_CPU_KVCACHE_SPACE"])
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.inputs import tokens_input
+        from vllm.outputs import STREAM_FINISHED
         from vllm.v1.engine.async_llm import AsyncLLM
         from vllm.v1.engine.exceptions import EngineDeadError
 
@@ -108,6 +110,7 @@ class VLLMBackend(Backend):
 
         self._dead_errors = (BackendDeadError, EngineDeadError)
         self._tokens_input = tokens_input
+        self._stream_finished = STREAM_FINISHED
         started = time.monotonic()
         args = AsyncEngineArgs(**self.options.async_engine_args(self.model, self.model_name))
         self._engine = AsyncLLM.from_engine_args(args, stat_loggers=[make_vllm_stat_logger(self.stats)])
@@ -155,13 +158,26 @@ class VLLMBackend(Backend):
         first_token_time: float | None = None
         num_tokens = 0
         finished = False
-        stream = engine.generate(self._tokens_input(prompt_ids), params, request.request_id)
-        if not self._active:
-            self._busy_since = time.monotonic()
-        self._active.add(request.request_id)
-        self._unread_prompt_tokens[request.request_id] = len(prompt_ids)
+        queue = None
         try:
-            async for out in stream:
+            # add_request + reading its output queue is what AsyncLLM.generate does; done here so
+            # that the request is known to be queued (and its stream's headers can go out) before
+            # its first token, which can be a long queue away
+            try:
+                queue = await engine.add_request(request.request_id, self._tokens_input(prompt_ids), params)
+            except asyncio.CancelledError:  # cancelled while being added: it may be in the engine core already
+                await asyncio.shield(engine.abort(request.request_id))
+                raise
+            if not self._active:
+                self._busy_since = time.monotonic()
+            self._active.add(request.request_id)
+            self._unread_prompt_tokens[request.request_id] = len(prompt_ids)
+            yield RequestOutput.admitted(request.request_id, prompt_ids, arrival)
+            while not finished:
+                out = queue.get_nowait() or await queue.get()  # no task switch when outputs are waiting
+                if out is self._stream_finished:
+                    finished = True
+                    break
                 completion = out.outputs[0]
                 now = time.monotonic()
                 if completion.token_ids and first_token_time is None:
@@ -181,18 +197,18 @@ class VLLMBackend(Backend):
                     metrics=metrics, prompt_token_ids=tuple(prompt_ids),
                     logprobs=token_logprobs(completion.token_ids, completion.logprobs, request.sampling_params.logprobs),
                 )
-                if finished:
-                    return
         except self._dead_errors as exc:
             raise BackendDeadError(f"vLLM engine died: {exc}") from exc
         finally:
             self._active.discard(request.request_id)
             self._unread_prompt_tokens.pop(request.request_id, None)
-            if not finished:  # left early: closing vLLM's stream aborts the request in the engine core
-                await stream.aclose()
-                self.stats.record_aborted(RequestMetrics(
-                    arrival_time=arrival, first_token_time=first_token_time, finished_time=time.monotonic(),
-                    num_prompt_tokens=len(prompt_ids), num_generation_tokens=num_tokens))
+            if queue is not None:
+                if not finished and not engine.errored:  # left early: abort in the engine core, free its blocks
+                    await asyncio.shield(engine.abort(queue.request_id, internal=True))
+                    self.stats.record_aborted(RequestMetrics(
+                        arrival_time=arrival, first_token_time=first_token_time, finished_time=time.monotonic(),
+                        num_prompt_tokens=len(prompt_ids), num_generation_tokens=num_tokens))
+                queue.close()
 
     async def abort(self, request_id: str) -> None:
         """Abort in vLLM, then wait for the engine core's next stats message (it frees the request's

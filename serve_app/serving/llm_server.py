@@ -3,8 +3,8 @@
 Called only through a `DeploymentHandle` (from `OpenAIIngress`):
 - `generate(request)` (a streaming method: `handle.options(stream=True)`) yields `GenerationChunk`s,
   compact deltas made from the backend's `RequestOutput`s. Invalid input raises `ValueError`
-  ("field: ...") on the first item; else the first item may be an empty chunk confirming admission; cancelling the call (client disconnect) aborts the request in the
-  engine and frees its KV blocks.
+  ("field: ...") on the first item; else the first item is an empty chunk confirming admission;
+  cancelling the call (client disconnect) aborts the request in the engine and frees its KV blocks.
 - `model_info()` → `ModelInfo` (served name, context length).
 - Ray Serve calls `record_routing_stats()` every `request_routing_stats_period_s` and hands the dict
   (`kv_cache_usage`, `num_free_blocks`, `num_total_blocks`, `num_waiting`, `num_running`,

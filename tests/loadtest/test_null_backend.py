@@ -77,6 +77,8 @@ def test_streams_real_text_in_batches_with_stats_and_frees_every_block():
     backend, stats, results, load = asyncio.run(run())
     tokenizer = Tokenizer.from_file(str(MODEL_DIR / "tokenizer.json"))
     for i, outs in enumerate(results):
+        admitted, outs = outs[0], outs[1:]  # first the empty delta that says "queued", like every backend's
+        assert admitted.token_ids == () and not admitted.finished
         ids = [t for o in outs for t in o.token_ids]
         assert len(ids) == 5 + i and all(len(o.token_ids) == 1 for o in outs)  # one token per step
         assert "".join(o.text for o in outs) == tokenizer.decode(ids)  # the tokenizer's own text
@@ -102,7 +104,8 @@ def test_leaving_a_stream_aborts_it_and_frees_its_blocks_and_bad_input_is_reject
                 await collect(backend, request("bad", 4, prompt=[]))
             stream = backend.generate(request("long", 1000, prompt=list(range(40))))
             async with contextlib.aclosing(stream):
-                await anext(stream)
+                await anext(stream)  # queued
+                await anext(stream)  # the first token: running
                 busy = backend.routing_stats()
             for _ in range(1000):  # the engine thread takes the abort in between steps
                 if backend.routing_stats().num_running == 0:

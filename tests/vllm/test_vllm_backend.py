@@ -132,6 +132,8 @@ def test_streams_deltas_routing_stats_and_aborts(loop, engine):
         outs = await collect(backend.generate(GenerateRequest("len", prompt="Once upon a time",
                                                               sampling_params=SamplingParams(temperature=0, max_tokens=6))))
         assert len(outs) >= 2 and not any(o.finished for o in outs[:-1])
+        # the first item says "queued" before any token, so a server can send the stream's headers
+        assert outs[0].token_ids == () and outs[0].text == "" and outs[0].metrics.first_token_time is None
         assert outs[-1].finished and outs[-1].finish_reason == FinishReason.LENGTH
         assert sum(len(o.token_ids) for o in outs) == 6
 

