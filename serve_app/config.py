@@ -124,7 +124,8 @@ class SchedulerConfig:
             object.__setattr__(self, "batch_timeout_s", 2.0 if self.batching == "static" else 0.0)
 
 
-SPEC_METHODS = ("off", "ngram")
+SPEC_METHODS = ("off", "ngram", "draft")
+SPEC_ACCEPTANCE = ("exact", "rejection")
 
 
 @dataclass(frozen=True)
@@ -132,11 +133,17 @@ class SpeculativeConfig:
     """Speculative decoding: each decoding request may be verified with up to `max_k` proposed tokens
     per step (see docs/speculative_decoding.md).
 
-    `method`: `off`, or `ngram` (prompt lookup: the tokens that followed the latest earlier occurrence
-    of the last `ngram_min`..`ngram_max` tokens of the prompt and output). `k` 0 (the default) picks
-    the number of proposed tokens per request and step adaptively, from the request's measured
-    acceptance and the engine's fitted step cost; `k` > 0 always proposes that many (fixed k, for
-    comparison). Outputs are the same with and without speculation (greedy and seeded sampling).
+    `method`: `off`; `ngram` (prompt lookup: the tokens that followed the latest earlier occurrence
+    of the last `ngram_min`..`ngram_max` tokens of the prompt and output); or `draft` (a second,
+    smaller model, `draft_model`, with the target's vocabulary and its own KV cache of
+    `draft_kv_cache_memory_gib`). `k` 0 (the default) picks the number of proposed tokens per request
+    and step adaptively, from the request's measured acceptance and the engine's fitted step cost;
+    `k` > 0 always proposes that many (fixed k, for comparison).
+
+    `acceptance`: `exact` (default) keeps every output identical to decoding without speculation
+    (greedy and seeded sampling); `rejection` (draft only) draws a sampling request's proposals from
+    the draft's distribution and verifies them by rejection sampling: more accepted, the same output
+    distribution, but a seeded output then depends on what the draft proposed, hence on load.
     """
 
     method: str = "off"
@@ -144,6 +151,9 @@ class SpeculativeConfig:
     k: int = 0
     ngram_min: int = 2
     ngram_max: int = 4
+    draft_model: str = ""
+    draft_kv_cache_memory_gib: float = 0.25
+    acceptance: str = "exact"
 
     def __post_init__(self) -> None:
         _require(self.method in SPEC_METHODS, "speculative.method", f"must be one of {SPEC_METHODS}, got {self.method!r}")
@@ -153,6 +163,13 @@ class SpeculativeConfig:
         _require(1 <= self.max_k <= 16, "speculative.max_k", f"must be in [1, 16], got {self.max_k}")
         _require(0 <= self.k <= self.max_k, "speculative.k", f"must be in [0, max_k] (0: adaptive), got {self.k}")
         _require(1 <= self.ngram_min <= self.ngram_max, "speculative.ngram_min", "must be in [1, ngram_max]")
+        _require(self.acceptance in SPEC_ACCEPTANCE, "speculative.acceptance", f"must be one of {SPEC_ACCEPTANCE}, got {self.acceptance!r}")
+        _require(self.method == "draft" or self.acceptance == "exact", "speculative.acceptance",
+                 "rejection sampling needs proposals drawn from a distribution: method draft")
+        _require((self.method == "draft") == bool(self.draft_model), "speculative.draft_model",
+                 "required with method draft (a model directory), and only then")
+        _require(isinstance(self.draft_kv_cache_memory_gib, int | float) and self.draft_kv_cache_memory_gib > 0,
+                 "speculative.draft_kv_cache_memory_gib", "must be > 0")
 
     @property
     def enabled(self) -> bool:

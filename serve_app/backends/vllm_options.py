@@ -21,7 +21,9 @@ the replica, and vLLM's executor finds that placement group and starts its worke
 `speculative` is the native engine's option (`config.SpeculativeConfig`), mapped onto vLLM's
 `speculative_config`: `ngram` → vLLM's n-gram proposer with `num_speculative_tokens` = `k`, or `max_k`
 when `k` is 0 (vLLM has no adaptive length: it always proposes that many), `prompt_lookup_min/max` =
-`ngram_min/max`. vLLM has no per-request opt-out: `SamplingParams.speculative` is ignored there.
+`ngram_min/max`; `draft` → vLLM's `draft_model` method with `draft_model` as its model, which vLLM
+verifies by rejection sampling only (so `acceptance: rejection` is required there; vLLM sizes the
+draft's KV cache itself). vLLM has no per-request opt-out: `SamplingParams.speculative` is ignored there.
 """
 
 from __future__ import annotations
@@ -76,6 +78,8 @@ class VLLMOptions:
         _require(self.kv_cache_memory_gib > 0, "kv_cache_memory_gib", "must be > 0")
         _require(0 <= self.gpu_memory_utilization < 1, "gpu_memory_utilization", "must be in [0, 1) (0: use kv_cache_memory_gib)")
         _require(self.gpu_memory_utilization == 0 or self.device != "cpu", "gpu_memory_utilization", "applies to GPUs only")
+        _require(self.speculative.method != "draft" or self.speculative.acceptance == "rejection", "speculative.acceptance",
+                 "vLLM verifies a draft model's proposals by rejection sampling only: set acceptance: rejection")
         mine = {f.name for f in fields(self)}
         clash = sorted(mine & {k for k, _ in self.engine_args}) + sorted(
             {"model", "served_model_name", "kv_cache_memory_bytes", "disable_log_stats", "speculative_config"} & {k for k, _ in self.engine_args})
@@ -128,9 +132,12 @@ class VLLMOptions:
         else:
             args["kv_cache_memory_bytes"] = int(self.kv_cache_memory_gib * GIB)
         spec = self.speculative
-        if spec.enabled:
-            args["speculative_config"] = {"method": spec.method, "num_speculative_tokens": spec.k or spec.max_k,
+        if spec.method == "ngram":
+            args["speculative_config"] = {"method": "ngram", "num_speculative_tokens": spec.k or spec.max_k,
                                           "prompt_lookup_min": spec.ngram_min, "prompt_lookup_max": spec.ngram_max}
+        elif spec.method == "draft":
+            args["speculative_config"] = {"method": "draft_model", "model": spec.draft_model,
+                                          "num_speculative_tokens": spec.k or spec.max_k}
         args.update(dict(self.engine_args))
         return args
 

@@ -12,6 +12,7 @@ from serve_app.engine.model_runner import ModelRunner
 from serve_app.engine.outputs import EngineCoreOutput, EngineCoreOutputs
 from serve_app.engine.request import Request
 from serve_app.engine.scheduler import Scheduler
+from serve_app.engine.spec_decode.draft import DraftProposer
 from serve_app.engine.spec_decode.speculator import Speculator
 from serve_app.engine.step_cost import StepCostFit
 from serve_app.types import FinishReason
@@ -41,7 +42,10 @@ class EngineCore:
         self.block_manager = BlockManager(num_blocks, block_size, config.cache.enable_prefix_caching, self.kv_events)
         # the engine's measured step cost (what k more tokens in a step cost: adaptive speculation)
         self.step_cost = StepCostFit()
-        speculator = Speculator(config.speculative, self.step_cost) if config.speculative.enabled else None
+        speculator = None
+        if config.speculative.enabled:
+            proposer = DraftProposer.build(config, args.vocab_size) if config.speculative.method == "draft" else None
+            speculator = Speculator(config.speculative, self.step_cost, proposer)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len, speculator=speculator)
         self.step_index = 0
 

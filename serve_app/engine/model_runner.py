@@ -4,13 +4,15 @@ It owns the weights and the KV cache tensors; it never decides who runs. Per ste
 flattened batch (decode tokens first, then prompt chunks), the slot mapping and block tables, runs
 the model, computes logits only for the rows that sample, and samples. A request verified with
 proposed tokens (speculative decoding) samples each of its last `1 + k` rows, and keeps the samples
-up to the first one that differs from its proposal (`spec_decode.acceptance.accept`).
+up to the first one that differs from its proposal (`spec_decode.acceptance.accept`), or, for
+proposals sampled from a draft model's distribution, by rejection sampling (`spec_decode.rejection`).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -26,8 +28,9 @@ from serve_app.engine.models.llama import LlamaArgs
 from serve_app.engine.models.loader import load_model
 from serve_app.engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from serve_app.engine.penalties import process_logits
-from serve_app.engine.sampler import sample
+from serve_app.engine.sampler import sample, sampling_probs
 from serve_app.engine.spec_decode.acceptance import accept
+from serve_app.engine.spec_decode.rejection import rejection_sample
 
 logger = logging.getLogger(__name__)
 
@@ -158,10 +161,12 @@ class ModelRunner:
         return self.model(step.input_ids, step.positions, self.kv_caches, meta), None
 
     @torch.inference_mode()
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        scheduled = sorted(scheduler_output.scheduled, key=lambda s: not is_decode(s))  # stable: decodes first
+    def sampling_logits(self, scheduled: Sequence[ScheduledRequest]) -> tuple[list[ScheduledRequest], torch.Tensor]:
+        """Run one forward pass; return the requests that sample (decodes first) and the logits of
+        their sampled positions ([rows, V]: 1 + len(spec_token_ids) consecutive rows per request)."""
+        scheduled = sorted(scheduled, key=lambda s: not is_decode(s))  # stable: decodes first
         hidden, graph_logits = self._forward(scheduled)
-        rows, samplers, params, keys = [], [], [], []
+        rows, samplers = [], []
         end = 0
         for s in scheduled:
             end += s.num_tokens
@@ -169,14 +174,18 @@ class ModelRunner:
                 num_rows = 1 + len(s.spec_token_ids)  # the last token and each proposed one predict a token
                 rows.extend(range(end - num_rows, end))
                 samplers.append(s)
-                params.extend([s.sampling_params] * num_rows)
-                keys.extend((s.generator_key, *s.spec_generator_keys))
         if not samplers:
-            return ModelRunnerOutput((), ())
+            return [], torch.empty(0)
         computed = hidden if hidden is not None else graph_logits
         # rows are increasing: as many as computed means all of them (no index tensor to send over)
         picked = computed if len(rows) == computed.shape[0] else computed[self._tensor(rows)]
-        logits = picked if hidden is None else self.model.compute_logits(picked)
+        return samplers, picked if hidden is None else self.model.compute_logits(picked)
+
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        samplers, logits = self.sampling_logits(scheduler_output.scheduled)
+        if not samplers:
+            return ModelRunnerOutput((), ())
         # one row per sampled position; a verified request's rows carry no penalties, min_tokens or
         # logprobs (`SamplingParams.can_speculate`), so the per-request inputs repeat unchanged
         spans = [1 + len(s.spec_token_ids) for s in samplers]
@@ -184,6 +193,8 @@ class ModelRunner:
         def per_row(values: list) -> list:
             return [v for v, n in zip(values, spans, strict=True) for _ in range(n)]
 
+        params = per_row([s.sampling_params for s in samplers])
+        keys = [key for s in samplers for key in (s.generator_key, *s.spec_generator_keys)]
         processed = process_logits(logits, params, per_row([s.prompt_token_ids for s in samplers]),
                                    per_row([s.output_token_ids for s in samplers]), per_row([s.blocked_token_ids for s in samplers]))
         token_ids = sample(processed, params, keys, self.generator)
@@ -195,7 +206,12 @@ class ModelRunner:
             return ModelRunnerOutput(request_ids, tuple(token_ids), row_logprobs)
         accepted, logprobs, at = [], [], 0
         for s, n in zip(samplers, spans, strict=True):
-            accepted.append(accept(token_ids[at : at + n], s.spec_token_ids))
+            if s.spec_draft_probs is None:
+                accepted.append(accept(token_ids[at : at + n], s.spec_token_ids))
+            else:
+                target = sampling_probs(processed[at : at + n], params[at : at + n])
+                accepted.append(rejection_sample(target, s.spec_draft_probs.to(target.device, target.dtype), s.spec_token_ids,
+                                                 s.spec_accept_keys, keys[at : at + n], self.generator))
             logprobs.append(row_logprobs[at] if row_logprobs else None)
             at += n
         return ModelRunnerOutput(request_ids, tuple(a[0] for a in accepted), tuple(logprobs) if row_logprobs else (),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from serve_app.engine.logprobs import SampledLogprobs
 from serve_app.metrics.stats import SchedulerStats
@@ -19,7 +20,9 @@ class ScheduledRequest:
 
     Speculative decoding: a decoding request may end its `token_ids` with `spec_token_ids`, proposed
     tokens to verify; then every one of its last `1 + len(spec_token_ids)` positions is sampled,
-    position j with `spec_generator_keys[j - 1]` (j >= 1; position 0 uses `generator_key`).
+    position j with `spec_generator_keys[j - 1]` (j >= 1; position 0 uses `generator_key`). With
+    `spec_draft_probs` (the draft's distributions the proposals were sampled from) the proposals are
+    verified by rejection sampling, else by the exact rule.
     """
 
     request_id: str
@@ -36,6 +39,8 @@ class ScheduledRequest:
     blocked_token_ids: tuple[int, ...] = ()  # EOS and stop ids while the output is shorter than min_tokens
     spec_token_ids: tuple[int, ...] = ()
     spec_generator_keys: tuple[int | None, ...] = ()
+    spec_draft_probs: Any = None  # [len(spec_token_ids), V] tensor, or None
+    spec_accept_keys: tuple[int | None, ...] = ()  # with draft probs: each proposal's acceptance-draw key
 
     @property
     def num_tokens(self) -> int:

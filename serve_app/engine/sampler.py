@@ -31,6 +31,45 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     return logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
 
 
+def sampling_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """The distribution each row samples from: softmax of the logits over the row's temperature,
+    within its top-k / top-p set ([S, V]; greedy rows at temperature 1)."""
+    device = logits.device
+    vocab = logits.shape[-1]
+    temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=device)
+    logits = logits / temps.unsqueeze(1)
+    if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
+        top_p = torch.tensor([p.top_p for p in params], device=device)
+        logits = apply_top_k_top_p(logits, top_k, top_p)
+    return logits.softmax(dim=-1)
+
+
+TARGET_DRAW, DRAFT_DRAW, ACCEPT_DRAW = 0, 1, 2  # the independent draws a seeded request makes per output position
+
+
+def draw_key(seed: int, output_index: int, kind: int = TARGET_DRAW) -> int:
+    """The key of a seeded request's draw for its `output_index`-th token: the target's sample, the
+    draft model's proposal, or a rejection-sampling acceptance test. Python's hash of a tuple of
+    ints is the same in every process (no hash randomisation for ints)."""
+    return hash((seed, output_index)) if kind == TARGET_DRAW else hash((seed, output_index, kind))
+
+
+def seeded_generator(key: int, device: torch.device) -> torch.Generator:
+    """The generator of one seeded draw (keys come from a request's seed and the draw's position)."""
+    return torch.Generator(device=device).manual_seed(key & 0x7FFF_FFFF_FFFF_FFFF)
+
+
+def draw(probs: torch.Tensor, generator_keys: Sequence[int | None], generator: torch.Generator) -> torch.Tensor:
+    """One token per row of `probs` ([S, V]) by the exponential race; a row with a key draws its
+    noise from that key's generator, the others from `generator`."""
+    noise = torch.empty_like(probs).exponential_(generator=generator)
+    for row, key in enumerate(generator_keys):
+        if key is not None:
+            noise[row].exponential_(generator=seeded_generator(key, probs.device))
+    return (probs / noise).argmax(dim=-1)
+
+
 def sample(
     logits: torch.Tensor,  # [S, V] fp32
     params: Sequence[SamplingParams],
@@ -41,20 +80,7 @@ def sample(
     greedy_ids = logits.argmax(dim=-1)
     if all(p.greedy for p in params):
         return greedy_ids.tolist()
-    device = logits.device
-    vocab = logits.shape[-1]
-    temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=device)
-    logits = logits / temps.unsqueeze(1)
-    if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
-        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
-        top_p = torch.tensor([p.top_p for p in params], device=device)
-        logits = apply_top_k_top_p(logits, top_k, top_p)
-    probs = logits.softmax(dim=-1)
-    noise = torch.empty_like(probs).exponential_(generator=generator)
-    for row, key in enumerate(generator_keys):
-        if key is not None and not params[row].greedy:
-            g = torch.Generator(device=device).manual_seed(key & 0x7FFF_FFFF_FFFF_FFFF)
-            noise[row].exponential_(generator=g)
-    sampled = (probs / noise).argmax(dim=-1)
-    greedy_rows = torch.tensor([p.greedy for p in params], device=device)
+    keys = [None if p.greedy else key for p, key in zip(params, generator_keys, strict=True)]
+    sampled = draw(sampling_probs(logits, params), keys, generator)
+    greedy_rows = torch.tensor([p.greedy for p in params], device=logits.device)
     return torch.where(greedy_rows, greedy_ids, sampled).tolist()

@@ -33,7 +33,9 @@ from serve_app.engine.outputs import (
     SchedulerOutput,
 )
 from serve_app.engine.request import Request, RequestStatus
-from serve_app.engine.spec_decode.speculator import SpecCandidate, Speculator
+from serve_app.engine.sampler import ACCEPT_DRAW, draw_key
+from serve_app.engine.spec_decode.proposer import Proposal, SpecCandidate
+from serve_app.engine.spec_decode.speculator import Speculator
 from serve_app.metrics.stats import SchedulerStats
 from serve_app.types import FinishReason, RequestMetrics
 
@@ -186,8 +188,8 @@ class Scheduler:
             self.waiting.extendleft(reversed(deferred))  # back at the head, in their order
 
         spec = self._plan_speculation(picked, budget) if self.speculator is not None and budget > 0 else {}
-        budget -= sum(len(p) for p in spec.values())
-        scheduled = tuple(self._to_scheduled(request, num_new, spec.get(request.request_id, ())) for request, num_new in picked)
+        budget -= sum(len(p.token_ids) for p in spec.values())
+        scheduled = tuple(self._to_scheduled(request, num_new, spec.get(request.request_id)) for request, num_new in picked)
         self._in_flight = {s.request_id: s.num_tokens for s in scheduled}
         for request, sched in zip((r for r, _ in picked), scheduled, strict=True):
             request.num_computed_tokens += sched.num_tokens
@@ -212,7 +214,7 @@ class Scheduler:
             return None
         return max(0.0, self.waiting[0].arrival_time + self.config.batch_timeout_s - self.clock())
 
-    def _plan_speculation(self, picked: list[tuple[Request, int]], budget: int) -> dict[str, tuple[int, ...]]:
+    def _plan_speculation(self, picked: list[tuple[Request, int]], budget: int) -> dict[str, Proposal]:
         """Proposed tokens for the step's decoding requests, with their blocks allocated."""
         candidates = []
         for request, num_new in picked:
@@ -220,7 +222,8 @@ class Scheduler:
                 continue
             # a proposal past max_tokens or the context length could never be used
             max_k = min(request.sampling_params.max_tokens - request.num_output_tokens - 1, self.max_model_len - request.num_tokens)
-            candidates.append(SpecCandidate(request.request_id, request.all_token_ids, max_k))
+            candidates.append(SpecCandidate(request.request_id, request.all_token_ids, max_k, request.sampling_params,
+                                            request.num_output_tokens))
         if not candidates:
             return {}
         num_prefill = sum(n for r, n in picked if r.num_computed_tokens < r.num_prompt_tokens)
@@ -228,14 +231,15 @@ class Scheduler:
         num_sampling = sum(1 for r, n in picked if r.num_computed_tokens + n == r.num_tokens)
         plan = self.speculator.plan(candidates, num_prefill, num_tokens - num_prefill, num_sampling, budget)
         for rid, proposal in list(plan.items()):
-            if not self.block_manager.allocate_slots(self.requests[rid], 1 + len(proposal)):
+            if not self.block_manager.allocate_slots(self.requests[rid], 1 + len(proposal.token_ids)):
                 del plan[rid]  # no free blocks: verify nothing rather than preempt anyone for a guess
         self._step_spec[0] += len(candidates)
         self._step_spec[1] += len(plan)
-        self._step_spec[2] += sum(len(p) for p in plan.values())
+        self._step_spec[2] += sum(len(p.token_ids) for p in plan.values())
         return plan
 
-    def _to_scheduled(self, request: Request, num_new: int, spec_token_ids: tuple[int, ...] = ()) -> ScheduledRequest:
+    def _to_scheduled(self, request: Request, num_new: int, proposal: Proposal | None = None) -> ScheduledRequest:
+        spec_token_ids = proposal.token_ids if proposal is not None else ()
         start = request.num_computed_tokens
         sample = start + num_new == request.num_tokens
         params = request.sampling_params
@@ -244,7 +248,10 @@ class Scheduler:
         blocked: tuple[int, ...] = ()
         if sample and request.num_output_tokens < params.min_tokens:
             blocked = tuple(sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else request.eos_token_ids)))
-        keys = [None if seed is None else hash((seed, request.num_output_tokens + j)) for j in range(1 + len(spec_token_ids))]
+        keys = [None if seed is None else draw_key(seed, request.num_output_tokens + j) for j in range(1 + len(spec_token_ids))]
+        draft_probs = proposal.draft_probs if proposal is not None else None
+        accept_keys = () if draft_probs is None else tuple(
+            None if seed is None else draw_key(seed, request.num_output_tokens + j, ACCEPT_DRAW) for j in range(len(spec_token_ids)))
         return ScheduledRequest(
             request_id=request.request_id,
             token_ids=tuple(request.all_token_ids[start : start + num_new]) + spec_token_ids,
@@ -259,6 +266,8 @@ class Scheduler:
             blocked_token_ids=blocked,
             spec_token_ids=spec_token_ids,
             spec_generator_keys=tuple(keys[1:]),
+            spec_draft_probs=draft_probs,
+            spec_accept_keys=accept_keys,
         )
 
     def _preempt(self, request: Request) -> None:

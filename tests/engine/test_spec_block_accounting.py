@@ -16,6 +16,7 @@ from serve_app.engine.outputs import ModelRunnerOutput
 from serve_app.engine.request import Request
 from serve_app.engine.scheduler import Scheduler
 from serve_app.engine.spec_decode.acceptance import accept
+from serve_app.engine.spec_decode.proposer import Proposal
 from serve_app.engine.spec_decode.speculator import Speculator
 from serve_app.engine.step_cost import StepCostFit
 from serve_app.types import SamplingParams
@@ -26,8 +27,11 @@ BLOCK = 4
 class RepeatProposer:
     """Proposes the last token again, k times (the fake model samples 7 or 8)."""
 
-    def propose(self, token_ids, k):
-        return [token_ids[-1]] * k
+    def propose(self, candidates):
+        return {c.request_id: Proposal((c.token_ids[-1],) * c.max_k) for c in candidates}
+
+    def forget(self, request_id):
+        pass
 
 
 def fake_run(scheduler_output, rng: random.Random) -> ModelRunnerOutput:

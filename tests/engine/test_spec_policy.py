@@ -52,10 +52,10 @@ def test_acceptance_tracker_learns_per_request():
 
 def test_ngram_proposer_prefers_longest_then_latest_match():
     tokens = [1, 2, 3, 4, 9, 2, 3, 5, 6, 1, 2, 3]
-    assert NgramProposer(min_n=2, max_n=3).propose(tokens, 2) == [4, 9]  # [1, 2, 3] matched at the start
-    assert NgramProposer(min_n=2, max_n=2).propose(tokens, 3) == [5, 6, 1]  # the latest [2, 3]
-    assert NgramProposer(min_n=2, max_n=3).propose([1, 2, 3], 4) == []
-    assert NgramProposer().propose(tokens, 0) == []
+    assert NgramProposer(min_n=2, max_n=3).lookup(tokens, 2) == [4, 9]  # [1, 2, 3] matched at the start
+    assert NgramProposer(min_n=2, max_n=2).lookup(tokens, 3) == [5, 6, 1]  # the latest [2, 3]
+    assert NgramProposer(min_n=2, max_n=3).lookup([1, 2, 3], 4) == []
+    assert NgramProposer().lookup(tokens, 0) == []
 
 
 def test_accept_keeps_samples_up_to_first_mismatch():
@@ -73,6 +73,11 @@ def test_accept_keeps_samples_up_to_first_mismatch():
     ({"method": "ngram", "ngram_min": 3, "ngram_max": 2}, "speculative.ngram_min"),
     ({"num_speculative_tokens": 4}, "speculative.num_speculative_tokens"),
     ("ngram", "speculative"),
+    ({"method": "draft"}, "speculative.draft_model"),
+    ({"method": "ngram", "draft_model": "models/d"}, "speculative.draft_model"),
+    ({"method": "ngram", "acceptance": "rejection"}, "speculative.acceptance"),
+    ({"method": "draft", "draft_model": "models/d", "acceptance": "typical"}, "speculative.acceptance"),
+    ({"method": "draft", "draft_model": "models/d", "draft_kv_cache_memory_gib": 0}, "speculative.draft_kv_cache_memory_gib"),
 ])
 def test_bad_options_name_the_field(value, field):
     with pytest.raises(ValueError, match=f"^{field}:"):

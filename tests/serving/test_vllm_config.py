@@ -131,6 +131,11 @@ def test_speculative_option_maps_to_vllm_speculative_config():
     fixed = vllm_config(speculative={"method": "ngram", "k": 2, "ngram_min": 3}).vllm_options().async_engine_args("/m", "m")
     assert fixed["speculative_config"]["num_speculative_tokens"] == 2 and fixed["speculative_config"]["prompt_lookup_min"] == 3
     assert "speculative_config" not in vllm_config(speculative={"method": "off"}).vllm_options().async_engine_args("/m", "m")
+    draft = vllm_config(speculative={"method": "draft", "draft_model": "models/d", "k": 3, "acceptance": "rejection"})
+    assert draft.vllm_options().async_engine_args("/m", "m")["speculative_config"] == {
+        "method": "draft_model", "model": "models/d", "num_speculative_tokens": 3}
+    with pytest.raises(ValueError, match="^speculative.acceptance:.*rejection sampling only"):  # vLLM has no exact rule
+        vllm_config(speculative={"method": "draft", "draft_model": "models/d"}).vllm_options()
     with pytest.raises(ValueError, match="^speculative.method:"):
         vllm_config(speculative={"method": "eagle"})
     with pytest.raises(ValueError, match="^engine_args:"):

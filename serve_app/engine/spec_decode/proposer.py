@@ -1,19 +1,50 @@
-"""Proposers: guess the next tokens of a request cheaply, for the target model to verify in one step.
+"""Proposers: guess the next tokens of a step's decoding requests, for the target model to verify in
+one step.
 
-Contract: `propose(token_ids, k)` returns at most `k` token ids that might follow `token_ids` (the
-request's prompt and output so far); fewer (or none) when it has no good guess. A proposal is a
-deterministic function of `token_ids`, so verification can keep every output identical to decoding
-without speculation (see `acceptance.accept`).
+Contract: `propose(candidates)` returns, per request id, at most the candidate's `max_k` tokens that
+might follow its `token_ids` (its prompt and output so far); a request with no good guess is left
+out. A proposal without `draft_probs` is a deterministic function of the candidate's tokens, so
+verification can keep every output identical to decoding without speculation (`acceptance.accept`);
+one with `draft_probs` was sampled from them and is verified by rejection sampling
+(`rejection.rejection_sample`). `forget(request_id)` drops what the proposer keeps for a request
+(called when it finishes).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from serve_app.types import SamplingParams
+
+
+@dataclass(frozen=True)
+class SpecCandidate:
+    """A decoding request that may be verified with up to `max_k` proposed tokens this step."""
+
+    request_id: str
+    token_ids: Sequence[int]  # prompt + output so far
+    max_k: int
+    sampling_params: SamplingParams | None = None
+    num_output_tokens: int = 0  # the output index of the token the first proposal stands for is this
+
+
+@dataclass(frozen=True)
+class Proposal:
+    token_ids: tuple[int, ...]
+    draft_probs: Any = None  # [len(token_ids), V] tensor: the distributions they were drawn from; None: deterministic
+
+    def truncated(self, k: int) -> Proposal:
+        if k >= len(self.token_ids):
+            return self
+        return Proposal(self.token_ids[:k], None if self.draft_probs is None else self.draft_probs[:k])
 
 
 class Proposer(Protocol):
-    def propose(self, token_ids: Sequence[int], k: int) -> list[int]: ...
+    def propose(self, candidates: Sequence[SpecCandidate]) -> dict[str, Proposal]: ...
+
+    def forget(self, request_id: str) -> None: ...
 
 
 class NgramProposer:
@@ -27,7 +58,18 @@ class NgramProposer:
         self.min_n = min_n
         self.max_n = max_n
 
-    def propose(self, token_ids: Sequence[int], k: int) -> list[int]:
+    def propose(self, candidates: Sequence[SpecCandidate]) -> dict[str, Proposal]:
+        out = {}
+        for c in candidates:
+            if tokens := self.lookup(c.token_ids, c.max_k):
+                out[c.request_id] = Proposal(tuple(tokens))
+        return out
+
+    def forget(self, request_id: str) -> None:
+        pass  # keeps nothing
+
+    def lookup(self, token_ids: Sequence[int], k: int) -> list[int]:
+        """At most `k` tokens that followed the latest earlier match of the sequence's tail."""
         num = len(token_ids)
         if k <= 0 or num < self.min_n + 1:
             return []

@@ -3,35 +3,23 @@ the policy (fixed or adaptive k), and the acceptance bookkeeping that feeds the 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from serve_app.config import SpeculativeConfig
 from serve_app.engine.spec_decode.policy import AcceptanceTracker, choose_k
-from serve_app.engine.spec_decode.proposer import NgramProposer, Proposer
+from serve_app.engine.spec_decode.proposer import NgramProposer, Proposal, Proposer, SpecCandidate
 from serve_app.engine.step_cost import StepCostFit
 
 
-@dataclass(frozen=True)
-class SpecCandidate:
-    """A decoding request that may be verified with up to `max_k` proposed tokens this step."""
-
-    request_id: str
-    token_ids: Sequence[int]  # prompt + output so far
-    max_k: int
-
-
-def make_proposer(config: SpeculativeConfig) -> Proposer:
-    if config.method == "ngram":
-        return NgramProposer(config.ngram_min, config.ngram_max)
-    raise ValueError(f"speculative.method: no proposer for {config.method!r}")
-
-
 class Speculator:
+    """`proposer` defaults to the n-gram proposer; a draft-model proposer is built by the engine
+    (`spec_decode.draft.DraftProposer`), which owns the model runner it needs."""
+
     def __init__(self, config: SpeculativeConfig, step_cost: StepCostFit, proposer: Proposer | None = None) -> None:
         self.config = config
         self.step_cost = step_cost
-        self.proposer = proposer or make_proposer(config)
+        self.proposer = proposer or NgramProposer(config.ngram_min, config.ngram_max)
         self.acceptance = AcceptanceTracker()
 
     def plan(
@@ -41,25 +29,26 @@ class Speculator:
         num_decode_tokens: int,
         num_sampling: int,
         budget: int,
-    ) -> dict[str, tuple[int, ...]]:
-        """Proposed tokens per request id (requests without a proposal are left out)."""
-        proposals = []
-        for c in candidates:
-            tokens = self.proposer.propose(c.token_ids, min(c.max_k, self.config.max_k)) if c.max_k > 0 else []
-            if tokens:
-                proposals.append((c.request_id, tokens))
+    ) -> dict[str, Proposal]:
+        """Proposals per request id (requests without one are left out)."""
+        limit = self.config.k or self.config.max_k
+        candidates = [c for c in candidates if c.max_k > 0]
+        if not candidates:
+            return {}
+        by_id = self.proposer.propose([c if c.max_k <= limit else dataclasses.replace(c, max_k=limit) for c in candidates])
+        proposals = [(c.request_id, by_id[c.request_id]) for c in candidates if c.request_id in by_id]
         if not proposals:
             return {}
         if self.config.k:
-            ks = [min(self.config.k, len(tokens)) for _, tokens in proposals]
+            ks = [len(p.token_ids) for _, p in proposals]
         else:
-            ks = choose_k([self.acceptance.rate(rid) for rid, _ in proposals], [len(t) for _, t in proposals],
+            ks = choose_k([self.acceptance.rate(rid) for rid, _ in proposals], [len(p.token_ids) for _, p in proposals],
                           self.step_cost.cost(), num_prefill_tokens, num_decode_tokens, num_sampling, budget)
         plan = {}
-        for (rid, tokens), k in zip(proposals, ks, strict=True):
+        for (rid, proposal), k in zip(proposals, ks, strict=True):
             k = min(k, budget)
             if k > 0:
-                plan[rid] = tuple(tokens[:k])
+                plan[rid] = proposal.truncated(k)
                 budget -= k
         return plan
 
@@ -68,3 +57,5 @@ class Speculator:
 
     def forget(self, request_id: str) -> None:
         self.acceptance.forget(request_id)
+        self.proposer.forget(request_id)
+
