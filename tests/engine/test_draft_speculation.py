@@ -170,12 +170,11 @@ def tiny_pair(tmp_path_factory):
 
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
-    paths = []
-    models = []
+    paths, models = [], []
     for seed in (0, 1):
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config).eval()
-        for name, w in model.named_parameters():
+        for w in model.parameters():
             if w.dim() == 2:  # spread the logits: distinct, not uniform distributions
                 torch.nn.init.normal_(w, std=0.3)
         path = tmp_path_factory.mktemp(f"tiny-{seed}")
