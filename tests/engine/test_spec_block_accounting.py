@@ -27,6 +27,8 @@ BLOCK = 4
 class RepeatProposer:
     """Proposes the last token again, k times (the fake model samples 7 or 8)."""
 
+    full_length = True
+
     def propose(self, candidates):
         return {c.request_id: Proposal((c.token_ids[-1],) * c.max_k) for c in candidates}
 

@@ -7,8 +7,9 @@ import pytest
 from serve_app.config import EngineConfig, SpeculativeConfig
 from serve_app.engine.spec_decode.acceptance import accept
 from serve_app.engine.spec_decode.policy import AcceptanceTracker, choose_k
-from serve_app.engine.spec_decode.proposer import NgramProposer
-from serve_app.engine.step_cost import StepCost
+from serve_app.engine.spec_decode.proposer import NgramProposer, Proposal, SpecCandidate
+from serve_app.engine.spec_decode.speculator import Speculator
+from serve_app.engine.step_cost import StepCost, StepCostFit
 
 # a step on 2 CPU cores: 20 ms fixed (Python and ops over 30 layers), 1.5 ms per decode token
 CPU_COST = StepCost(fixed_s=0.020, per_prefill_token_s=0.0004, per_decode_token_s=0.0015, num_steps=100)
@@ -38,6 +39,40 @@ def test_budget_and_missing_fit():
     assert choose_k([0.2, 0.9], [3, 2], None, 0, 2, 2, budget=100) == [3, 2]  # no fit yet: max_k
     free_tokens = StepCost(fixed_s=0.02, per_prefill_token_s=0.0, per_decode_token_s=0.0, num_steps=50)
     assert choose_k([0.9], [4], free_tokens, 0, 1, 1, budget=100) == [0]  # a degenerate fit: no evidence, no guess
+
+
+class CountingDraft:
+    """A full-length proposer (like a draft model): records what it was asked to propose."""
+
+    full_length = True
+
+    def __init__(self):
+        self.asked = []
+
+    def propose(self, candidates):
+        self.asked.append([(c.request_id, c.max_k) for c in candidates])
+        return {c.request_id: Proposal((1,) * c.max_k) for c in candidates}
+
+    def forget(self, request_id):
+        pass
+
+
+def fitted(cost: StepCost) -> StepCostFit:
+    fit = StepCostFit()
+    for n in (1, 8, 32, 64, 1, 16) * 4:  # steps that cost exactly what `cost` says
+        fit.observe(0, n, cost.fixed_s + n * cost.per_decode_token_s)
+    return fit
+
+
+def test_with_a_draft_model_adaptive_k_is_chosen_before_proposing():
+    """A draft pass per proposed token is not free: at full batch the draft is not even asked."""
+    draft = CountingDraft()
+    speculator = Speculator(SpeculativeConfig(method="draft", draft_model="d", max_k=4), fitted(CPU_COST), draft)
+    candidates = [SpecCandidate(f"r{i}", [1, 2, 3], 4) for i in range(64)]
+    assert speculator.plan(candidates, 0, 64, 64, budget=2048) == {} and draft.asked == []
+    plan = speculator.plan(candidates[:1], 0, 1, 1, budget=2048)  # alone: asked for the k the policy chose, no more
+    ((rid, k),) = draft.asked[0]
+    assert rid == "r0" and 0 < k <= 4 and plan["r0"].token_ids == (1,) * k
 
 
 def test_acceptance_tracker_learns_per_request():

@@ -47,6 +47,8 @@ class _Drafting:
 
 
 class DraftProposer:
+    full_length = True  # max_k tokens for every candidate, one draft forward pass per position
+
     def __init__(self, runner: ModelRunner, sample_from_draft: bool, seed: int = 0) -> None:
         self.runner = runner
         self.blocks = BlockManager(runner.num_blocks, runner.block_size, enable_prefix_caching=False)

@@ -42,6 +42,10 @@ class Proposal:
 
 
 class Proposer(Protocol):
+    # True when every proposal has its candidate's `max_k` tokens and each costs a model pass (a
+    # draft model): the adaptive policy then picks k before proposing, not after
+    full_length: bool
+
     def propose(self, candidates: Sequence[SpecCandidate]) -> dict[str, Proposal]: ...
 
     def forget(self, request_id: str) -> None: ...
@@ -51,6 +55,8 @@ class NgramProposer:
     """Prompt lookup: find the latest earlier occurrence of the last n tokens (n from `max_n` down to
     `min_n`) and propose the tokens that followed it. Model-free; it shines where the reply copies
     text from the prompt (quotes, code edits, extraction)."""
+
+    full_length = False
 
     def __init__(self, min_n: int = 2, max_n: int = 4) -> None:
         if not 1 <= min_n <= max_n:

@@ -35,15 +35,22 @@ class Speculator:
         candidates = [c for c in candidates if c.max_k > 0]
         if not candidates:
             return {}
-        by_id = self.proposer.propose([c if c.max_k <= limit else dataclasses.replace(c, max_k=limit) for c in candidates])
+        candidates = [c if c.max_k <= limit else dataclasses.replace(c, max_k=limit) for c in candidates]
+        adaptive = not self.config.k
+        if adaptive and self.proposer.full_length:  # choose k first: proposing costs a model pass per token
+            ks = self._choose_k([(c.request_id, c.max_k) for c in candidates], num_prefill_tokens, num_decode_tokens,
+                                num_sampling, budget)
+            candidates = [dataclasses.replace(c, max_k=k) for c, k in zip(candidates, ks, strict=True) if k > 0]
+            adaptive = False
+        by_id = self.proposer.propose(candidates) if candidates else {}
         proposals = [(c.request_id, by_id[c.request_id]) for c in candidates if c.request_id in by_id]
         if not proposals:
             return {}
-        if self.config.k:
-            ks = [len(p.token_ids) for _, p in proposals]
+        if adaptive:  # from the proposals' lengths: a short n-gram match leaves room to others
+            ks = self._choose_k([(rid, len(p.token_ids)) for rid, p in proposals], num_prefill_tokens, num_decode_tokens,
+                                num_sampling, budget)
         else:
-            ks = choose_k([self.acceptance.rate(rid) for rid, _ in proposals], [len(p.token_ids) for _, p in proposals],
-                          self.step_cost.cost(), num_prefill_tokens, num_decode_tokens, num_sampling, budget)
+            ks = [len(p.token_ids) for _, p in proposals]
         plan = {}
         for (rid, proposal), k in zip(proposals, ks, strict=True):
             k = min(k, budget)
@@ -51,6 +58,11 @@ class Speculator:
                 plan[rid] = proposal.truncated(k)
                 budget -= k
         return plan
+
+    def _choose_k(self, lengths: list[tuple[str, int]], num_prefill_tokens: int, num_decode_tokens: int, num_sampling: int,
+                  budget: int) -> list[int]:
+        return choose_k([self.acceptance.rate(rid) for rid, _ in lengths], [n for _, n in lengths], self.step_cost.cost(),
+                        num_prefill_tokens, num_decode_tokens, num_sampling, budget)
 
     def observe(self, request_id: str, num_proposed: int, num_accepted: int) -> None:
         self.acceptance.observe(request_id, num_proposed, num_accepted)

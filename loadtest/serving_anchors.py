@@ -1,0 +1,250 @@
+"""Anchors for the serving-path benchmark (`bench_serving.py --anchors`): what other stacks' serving
+layers cost over their own engine, on the same workload and machine, in the same run as ours.
+
+- `vllm-offline`: vLLM's offline `LLM.generate` on every prompt at once (the engine, no server);
+- `vllm-server`: vLLM's own OpenAI server (`vllm.entrypoints.openai.api_server`, a subprocess on
+  127.0.0.1): the path vLLM users already have;
+- `ray-serve-llm`: Ray Serve LLM (`ray.serve.llm.build_openai_app`, one replica) over the same
+  vLLM engine: Ray Serve's flexibility, at its own cost;
+- `native-offline`: our offline `LLM.generate`, the counterpart of vLLM's offline run.
+
+vLLM runs in bfloat16, eager (no torch.compile), both cores, a 1 GiB KV cache and no prefix cache
+(each repeat sends new random prompts anyway). Each anchor runs in a process of its own (this module
+with `--anchor NAME`, printing one JSON line), one after the other. Streams are timed at the client
+exactly as ours are (`OpenAIStreams`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+ANCHORS = ("native-offline", "vllm-offline", "vllm-server", "ray-serve-llm")
+VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+MODEL_ID = "anchor"
+START_TIMEOUT_S = 600
+
+
+class OpenAIStreams:
+    """Streamed POST /v1/completions with token-id prompts: (TTFT, completion tokens) per request."""
+
+    def __init__(self, url: str, model: str) -> None:
+        import httpx
+
+        self.url, self.model = url, model
+        self.client = httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=256, max_keepalive_connections=256))
+
+    async def stream(self, prompt: list[int], max_tokens: int) -> tuple[float, int]:
+        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+                "stream": True, "stream_options": {"include_usage": True}}
+        start, ttft, tokens = time.perf_counter(), None, 0
+        async with self.client.stream("POST", self.url, json=body) as r:
+            r.raise_for_status()
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                payload = json.loads(line[6:])
+                if "error" in payload:
+                    raise RuntimeError(f"stream error: {payload['error']}")
+                if ttft is None and payload["choices"]:
+                    ttft = time.perf_counter() - start
+                if payload.get("usage"):
+                    tokens = payload["usage"]["completion_tokens"]
+        return ttft, tokens
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+
+def prompts_for(repeat: int, n: int, length: int, vocab: int) -> list[list[int]]:
+    rng = random.Random(1000 * repeat + n)
+    return [[rng.randrange(100, vocab) for _ in range(length)] for _ in range(n)]
+
+
+def free_port() -> int:
+    with contextlib.closing(socket.socket()) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_ready(url: str, proc: subprocess.Popen | None = None) -> float:
+    import httpx
+
+    start = time.monotonic()
+    while time.monotonic() - start < START_TIMEOUT_S:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode} before answering")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url, timeout=5).status_code == 200:
+                return time.monotonic() - start
+        time.sleep(1)
+    raise RuntimeError(f"{url} did not answer within {START_TIMEOUT_S} s")
+
+
+async def _http_runs(streams: OpenAIStreams, opts: argparse.Namespace) -> list[dict[str, Any]]:
+    warm = prompts_for(99, 2, opts.prompt_len, opts.vocab)
+    await asyncio.gather(*(streams.stream(p, 8) for p in warm))
+    runs = []
+    for repeat in range(opts.repeats):
+        for c in opts.concurrency:
+            prompts = prompts_for(repeat, c, opts.prompt_len, opts.vocab)
+            start = time.perf_counter()
+            results = await asyncio.gather(*(streams.stream(p, opts.output_len) for p in prompts))
+            elapsed = time.perf_counter() - start
+            tokens = sum(t for _, t in results)
+            if tokens != c * opts.output_len:
+                raise RuntimeError(f"{tokens} output tokens, expected {c * opts.output_len}")
+            runs.append({"repeat": repeat, "concurrency": c, "output_tok_s": tokens / elapsed, "elapsed_s": elapsed,
+                         "ttft_p50_s": sorted(t for t, _ in results)[len(results) // 2]})
+    return runs
+
+
+def _offline_runs(generate, opts: argparse.Namespace) -> list[dict[str, Any]]:
+    """`generate(prompts, max_tokens)` returns the output token count."""
+    generate(prompts_for(99, 2, opts.prompt_len, opts.vocab), 8)
+    runs = []
+    for repeat in range(opts.repeats):
+        for c in opts.concurrency:
+            prompts = prompts_for(repeat, c, opts.prompt_len, opts.vocab)
+            start = time.perf_counter()
+            tokens = generate(prompts, opts.output_len)
+            elapsed = time.perf_counter() - start
+            if tokens != c * opts.output_len:
+                raise RuntimeError(f"{tokens} output tokens, expected {c * opts.output_len}")
+            runs.append({"repeat": repeat, "concurrency": c, "output_tok_s": tokens / elapsed, "elapsed_s": elapsed})
+    return runs
+
+
+def run_native_offline(opts: argparse.Namespace) -> list[dict[str, Any]]:
+    import torch
+
+    from serve_app.engine import LLM, SamplingParams
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    llm = LLM(opts.model, **json.loads(opts.engine))
+
+    def generate(prompts, max_tokens):
+        llm.reset_prefix_cache()
+        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+        return sum(len(o.token_ids) for o in outs)
+
+    return _offline_runs(generate, opts)
+
+
+def run_vllm_offline(opts: argparse.Namespace) -> list[dict[str, Any]]:
+    os.environ.update(VLLM_ENV)
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=opts.model, dtype="bfloat16", enforce_eager=True, max_num_seqs=64, enable_prefix_caching=False, seed=0)
+
+    def generate(prompts, max_tokens):
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return sum(len(o.outputs[0].token_ids) for o in outs)
+
+    return _offline_runs(generate, opts)
+
+
+def run_vllm_server(opts: argparse.Namespace) -> list[dict[str, Any]]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", opts.model, "--served-model-name", MODEL_ID,
+           "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--enforce-eager", "--max-num-seqs", "64",
+           "--no-enable-prefix-caching", "--seed", "0"]
+    proc = subprocess.Popen(cmd, env={**os.environ, **VLLM_ENV}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_ready(f"http://127.0.0.1:{port}/v1/models", proc)
+        return asyncio.run(_streams_runs(f"http://127.0.0.1:{port}/v1/completions", opts))
+    finally:
+        proc.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(60)
+        if proc.poll() is None:
+            proc.kill()
+
+
+def run_ray_serve_llm(opts: argparse.Namespace) -> list[dict[str, Any]]:
+    import ray
+    from ray import serve
+    from ray.serve.llm import LLMConfig, build_openai_app
+
+    port = free_port()
+    ray.init(include_dashboard=False, log_to_driver=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        config = LLMConfig(
+            model_loading_config={"model_id": MODEL_ID, "model_source": opts.model},
+            engine_kwargs={"dtype": "bfloat16", "enforce_eager": True, "max_num_seqs": 64, "enable_prefix_caching": False, "seed": 0},
+            # Ray's defaults (a CPU per replica and per ingress) leave nothing to schedule on 2 cores
+            placement_group_config={"bundles": [{"CPU": 1}]},
+            deployment_config={"ray_actor_options": {"num_cpus": 0}},
+            runtime_env={"env_vars": VLLM_ENV},
+        )
+        app = build_openai_app({"llm_configs": [config], "ingress_deployment_config": {"ray_actor_options": {"num_cpus": 0}}})
+        serve.run(app, name="anchor", route_prefix="/")
+        wait_ready(f"http://127.0.0.1:{port}/v1/models")
+        return asyncio.run(_streams_runs(f"http://127.0.0.1:{port}/v1/completions", opts))
+    finally:
+        with contextlib.suppress(Exception):
+            serve.shutdown()
+        ray.shutdown()
+
+
+async def _streams_runs(url: str, opts: argparse.Namespace) -> list[dict[str, Any]]:
+    streams = OpenAIStreams(url, MODEL_ID)
+    try:
+        return await _http_runs(streams, opts)
+    finally:
+        await streams.aclose()
+
+
+RUNNERS = {"native-offline": run_native_offline, "vllm-offline": run_vllm_offline, "vllm-server": run_vllm_server,
+           "ray-serve-llm": run_ray_serve_llm}
+
+
+def measure(names: list[str], model: str, engine: dict[str, Any], opts: Any, vocab: int, log=print) -> dict[str, Any]:
+    """Run each anchor in its own process; {name: {"runs": [...]} or {"error": "..."}}."""
+    out: dict[str, Any] = {}
+    for name in names:
+        log(f"[bench-serving] anchor {name}: starting")
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--anchor", name, "--model", model, "--engine", json.dumps(engine),
+               "--vocab", str(vocab), "--prompt-len", str(opts.prompt_len), "--output-len", str(opts.output_len),
+               "--repeats", str(opts.repeats), "--concurrency", *map(str, opts.anchor_concurrency)]
+        started = time.monotonic()
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=1800)
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+        if proc.returncode != 0 or not lines:
+            out[name] = {"error": (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1][:300]}
+        else:
+            out[name] = json.loads(lines[-1])
+        log(f"[bench-serving] anchor {name}: {json.dumps(out[name])[:300]} ({time.monotonic() - started:.0f} s)")
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--anchor", required=True, choices=ANCHORS)
+    p.add_argument("--model", required=True)
+    p.add_argument("--engine", default="{}", help="native-offline: engine options (JSON)")
+    p.add_argument("--vocab", type=int, required=True)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--concurrency", type=int, nargs="+", default=[32])
+    opts = p.parse_args()
+    sys.path.insert(0, str(REPO))
+    print(json.dumps({"runs": RUNNERS[opts.anchor](opts)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
