@@ -36,9 +36,48 @@ def markdown(report: dict[str, Any]) -> str:
                          f"{speedup} | {_fmt(r['tpot_p50_ms'], '.1f')} / {_fmt(r['tpot_p99_ms'], '.1f')} | "
                          f"{_fmt(r['acceptance'])} | {_fmt(r['mean_k'])} | {ident} |")
         lines.append("")
+    lines += target_lines(report["rows"])
     if report["notes"]:
         lines += ["## Notes", ""] + [f"- {k}: {v}" for k, v in report["notes"].items()] + [""]
     return "\n".join(lines)
+
+
+def targets(rows: list[dict[str, Any]]) -> list[tuple[str, str, bool | None]]:
+    """(target, measured, met) for W5's three targets, from this run's rows (None: not measured)."""
+    def row(workload: str, c: int, setting: str) -> dict[str, Any] | None:
+        return next((r for r in rows if (r["workload"], r["concurrency"], r["setting"]) == (workload, c, setting)), None)
+
+    out: list[tuple[str, str, bool | None]] = []
+    levels = sorted({r["concurrency"] for r in rows})
+    if not levels:
+        return out
+    ours, theirs = row("grounded", levels[0], "native adaptive"), row("grounded", levels[0], "vLLM ngram k=4")
+    if ours and theirs and ours["speedup"] and theirs["speedup"]:
+        out.append((f"grounded, concurrency {levels[0]}: adaptive's speedup over off >= vLLM n-gram's over its off",
+                    f"{ours['speedup']:.2f}x vs {theirs['speedup']:.2f}x", ours["speedup"] >= theirs["speedup"]))
+    top = row("grounded", levels[-1], "native adaptive")
+    if top and top["speedup"]:
+        out.append((f"grounded, concurrency {levels[-1]}: adaptive >= 0.97x off", f"{top['speedup']:.2f}x", top["speedup"] >= 0.97))
+    for workload in sorted({r["workload"] for r in rows}):
+        for c in levels:
+            adaptive = row(workload, c, "native adaptive")
+            fixed = [r for k in ("native k=2", "native k=4") if (r := row(workload, c, k))]
+            if adaptive and fixed:
+                best = max(fixed, key=lambda r: r["tok_s"])
+                ratio = adaptive["tok_s"] / best["tok_s"]
+                out.append((f"{workload}, concurrency {c}: adaptive within 5% of the best fixed k ({best['setting']})",
+                            f"{ratio:.2f}x (adaptive {adaptive['tok_s_min']:.1f}-{adaptive['tok_s_max']:.1f}, best fixed "
+                            f"{best['tok_s_min']:.1f}-{best['tok_s_max']:.1f} tok/s over repeats)", ratio >= 0.95))
+    return out
+
+
+def target_lines(rows: list[dict[str, Any]]) -> list[str]:
+    found = targets(rows)
+    if not found:
+        return []
+    lines = ["## Targets", "", "| target | measured | met |", "|---|---|:---:|"]
+    lines += [f"| {t} | {m} | {'yes' if met else 'no'} |" for t, m, met in found]
+    return lines + [""]
 
 
 def plot(report: dict[str, Any], path: Path) -> None:
