@@ -29,6 +29,9 @@ class StepCost:
     per_prefill_token_s: float
     per_decode_token_s: float
     num_steps: int  # steps the fit used
+    # True when the window could not tell a fixed part from per-token costs (every step the same
+    # size, or noise) and the cost was taken as proportional to tokens: a guess, not a measurement
+    proportional: bool = False
 
     def predict(self, num_prefill_tokens: int, num_decode_tokens: int) -> float:
         """Seconds for one step computing these tokens."""
@@ -87,8 +90,8 @@ def fit_step_cost(steps: list[tuple[int, int, float]]) -> StepCost | None:
         fixed, per_prefill = coef if coef is not None else (0.0, 0.0)
         per_decode = per_prefill
     if per_prefill <= 0 or per_decode <= 0:
-        fixed = 0.0
-        per_prefill = per_decode = sum(t * v for t, v in zip(total, y, strict=True)) / max(sum(t * t for t in total), 1.0)
+        per_token = sum(t * v for t, v in zip(total, y, strict=True)) / max(sum(t * t for t in total), 1.0)
+        return StepCost(0.0, per_token, per_token, len(steps), proportional=True)
     return StepCost(max(fixed, 0.0), per_prefill, per_decode, len(steps))
 
 

@@ -75,6 +75,23 @@ def test_with_a_draft_model_adaptive_k_is_chosen_before_proposing():
     assert rid == "r0" and 0 < k <= 4 and plan["r0"].token_ids == (1,) * k
 
 
+def test_a_lone_request_that_stopped_speculating_explores_again():
+    """One request decoding one token per step: every step is the same size, so the fit cannot tell
+    the fixed cost from the per-token cost. The policy then proposes (which varies the step sizes)
+    instead of taking 'proportional' per-token costs as a measurement and never proposing again."""
+    fit = StepCostFit(window=64)
+    for _ in range(64):
+        fit.observe(0, 1, CPU_COST.predict(0, 1))
+    assert fit.cost().proportional
+    assert choose_k([0.5], [4], fit.cost(), 0, 1, 1, budget=2048) == [4]
+    for k in (4, 2, 0, 3) * 4:  # steps with proposals: now it measures that the fixed cost dominates
+        fit.observe(0, 1 + k, CPU_COST.predict(0, 1 + k))
+    cost = fit.cost()
+    assert not cost.proportional and cost.fixed_s == pytest.approx(CPU_COST.fixed_s)
+    assert choose_k([0.5], [4], cost, 0, 1, 1, budget=2048)[0] > 0
+    assert choose_k([0.5] * 64, [4] * 64, cost, 0, 64, 64, budget=2048) == [0] * 64
+
+
 def test_acceptance_tracker_learns_per_request():
     tracker = AcceptanceTracker()
     for _ in range(20):

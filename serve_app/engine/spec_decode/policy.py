@@ -63,12 +63,15 @@ def choose_k(
     """Proposed tokens per candidate request (aligned with `acceptance` / `max_k`).
 
     `num_*_tokens` and `num_sampling` describe the step as scheduled without speculation; `budget` is
-    the step's remaining token budget. Without a cost fit yet (the engine's first steps) every
-    candidate gets its `max_k` within the budget; a fit that finds no per-token cost (noise: tokens are
-    never free) proposes nothing until the fit says otherwise.
+    the step's remaining token budget. Without a cost fit yet (the engine's first steps), or with one
+    that could not tell a step's fixed cost from its per-token cost (`StepCost.proportional`: e.g. a
+    lone request decoding one token per step, every step the same size), every candidate gets its
+    `max_k` within the budget: proposals vary the steps' sizes, which is what the fit needs to
+    measure whether they pay (without them a policy that once chose 0 would never learn otherwise).
+    A cost with no per-token part at all (never from a fit) proposes nothing.
     """
     ks = [0] * len(acceptance)
-    if cost is None:
+    if cost is None or cost.proportional:
         for i, m in enumerate(max_k):
             ks[i] = max(0, min(m, budget))
             budget -= ks[i]
