@@ -118,11 +118,10 @@ class ModelRunner:
             if num_decode_rows == b:  # plain decodes: the persistent inputs as they are
                 block_tables = step.block_tables[:b, :max_blocks].to(torch.long, memory_format=torch.contiguous_format)
                 context_lens = step.seq_lens[:b]
-            else:
-                block_tables = self._tensor([list(s.block_table) + [0] * (max_blocks - len(s.block_table))
-                                             for s in scheduled[:b] for _ in range(s.num_tokens)])
-                context_lens = self._tensor([p + 1 for s in scheduled[:b] for p in range(s.start_pos, s.context_len)],
-                                            step.seq_lens.dtype)
+            else:  # verifications: one row per token, each with its request's table and its own context
+                rows_per_seq = self._tensor([s.num_tokens for s in scheduled[:b]])
+                block_tables = step.block_tables[:b, :max_blocks].to(torch.long).repeat_interleave(rows_per_seq, dim=0)
+                context_lens = (step.positions[:num_decode_rows] + 1).to(step.seq_lens.dtype)
             if self.decode_kernel is None:
                 keys = torch.arange(max_blocks * self.block_size, device=self.device)
                 mask = (keys.unsqueeze(0) < context_lens.unsqueeze(1)).view(num_decode_rows, 1, 1, -1)

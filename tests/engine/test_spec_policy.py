@@ -75,6 +75,24 @@ def test_with_a_draft_model_adaptive_k_is_chosen_before_proposing():
     assert rid == "r0" and 0 < k <= 4 and plan["r0"].token_ids == (1,) * k
 
 
+def test_a_stale_low_estimate_recovers_so_the_policy_tries_again():
+    """A request whose proposals kept failing stops being verified at batch 1; without new
+    observations its estimate (and the rate new requests start from) drifts back to the prior, so
+    after a while it is tried again; at full batch the prior still proposes nothing."""
+    tracker = AcceptanceTracker()
+    for _ in range(30):
+        tracker.tick()
+        tracker.observe("chat", 4, 0)
+    low = tracker.rate("chat")
+    assert choose_k([low], [4], CPU_COST, 0, 1, 1, budget=2048) == [0]
+    assert tracker.rate("new") < 0.25  # the running rate fell too
+    for _ in range(60):  # steps in which nothing was verified
+        tracker.tick()
+    assert tracker.rate("chat") > 3 * low and tracker.rate("new") > 0.4
+    assert choose_k([tracker.rate("chat")], [4], CPU_COST, 0, 1, 1, budget=2048)[0] > 0
+    assert choose_k([tracker.rate("chat")] * 64, [4] * 64, CPU_COST, 0, 64, 64, budget=2048) == [0] * 64
+
+
 def test_a_lone_request_that_stopped_speculating_explores_again():
     """One request decoding one token per step: every step is the same size, so the fit cannot tell
     the fixed cost from the per-token cost. The policy then proposes (which varies the step sizes)

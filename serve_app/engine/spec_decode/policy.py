@@ -23,18 +23,39 @@ MAX_ACCEPTANCE = 0.98  # a request that matched every time may still miss next t
 @dataclass
 class AcceptanceTracker:
     """Per-request acceptance probability per proposed position, from decayed counts, shrunk toward
-    the proposer's running rate for requests with little history."""
+    the proposer's running rate for requests with little history.
+
+    Estimates go stale: a request the policy stopped verifying would otherwise keep its last (low)
+    estimate for good, and so would the running rate new requests start from. So every step
+    (`tick`) without an observation shrinks a request's counts by `stale_decay` and pulls the
+    running rate back toward `prior`: a request re-tries after a while (where a proposal would pay
+    at the prior rate: at low batch, where a wasted one is cheap), and the estimate follows text
+    whose predictability changes.
+    """
 
     decay: float = 0.9
     prior_weight: float = 2.0
-    global_rate: float = 0.5
+    prior: float = 0.5
+    stale_decay: float = 0.97  # per step without an observation: after ~23 steps, half the weight
 
     def __post_init__(self) -> None:
-        self._counts: dict[str, tuple[float, float]] = {}  # request id -> (accepted, evaluated positions)
+        self.global_rate = self.prior
+        self._step = 0
+        self._global_step = 0
+        self._counts: dict[str, tuple[float, float, int]] = {}  # request id -> (accepted, evaluated positions, step)
+
+    def tick(self) -> None:
+        """One engine step passed."""
+        self._step += 1
+
+    def _running_rate(self) -> float:
+        stale = self.stale_decay ** (self._step - self._global_step)
+        return self.prior + (self.global_rate - self.prior) * stale
 
     def rate(self, request_id: str) -> float:
-        accepted, evaluated = self._counts.get(request_id, (0.0, 0.0))
-        p = (accepted + self.prior_weight * self.global_rate) / (evaluated + self.prior_weight)
+        accepted, evaluated, step = self._counts.get(request_id, (0.0, 0.0, self._step))
+        stale = self.stale_decay ** (self._step - step)
+        p = (accepted * stale + self.prior_weight * self._running_rate()) / (evaluated * stale + self.prior_weight)
         return min(p, MAX_ACCEPTANCE)
 
     def observe(self, request_id: str, num_proposed: int, num_accepted: int) -> None:
@@ -42,10 +63,11 @@ class AcceptanceTracker:
         if num_proposed <= 0:
             return
         evaluated = num_accepted + (1 if num_accepted < num_proposed else 0)
-        accepted, seen = self._counts.get(request_id, (0.0, 0.0))
-        self._counts[request_id] = (accepted * self.decay + num_accepted, seen * self.decay + evaluated)
-        step_rate = num_accepted / evaluated
-        self.global_rate = 0.95 * self.global_rate + 0.05 * step_rate
+        accepted, seen, step = self._counts.get(request_id, (0.0, 0.0, self._step))
+        stale = self.stale_decay ** (self._step - step)
+        self._counts[request_id] = (accepted * stale * self.decay + num_accepted, seen * stale * self.decay + evaluated, self._step)
+        self.global_rate = 0.95 * self._running_rate() + 0.05 * num_accepted / evaluated
+        self._global_step = self._step
 
     def forget(self, request_id: str) -> None:
         self._counts.pop(request_id, None)

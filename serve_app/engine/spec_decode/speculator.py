@@ -31,6 +31,7 @@ class Speculator:
         budget: int,
     ) -> dict[str, Proposal]:
         """Proposals per request id (requests without one are left out)."""
+        self.acceptance.tick()
         limit = self.config.k or self.config.max_k
         candidates = [c for c in candidates if c.max_k > 0]
         if not candidates:
