@@ -18,7 +18,10 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from collections import Counter
 from dataclasses import asdict, dataclass
+
+MIN_VARIED_STEPS = 8  # steps of another decode size than the usual one, to separate fixed from per-token cost
 
 
 @dataclass(frozen=True)
@@ -29,9 +32,11 @@ class StepCost:
     per_prefill_token_s: float
     per_decode_token_s: float
     num_steps: int  # steps the fit used
-    # True when the window could not tell a fixed part from per-token costs (every step the same
-    # size, or noise) and the cost was taken as proportional to tokens: a guess, not a measurement
-    proportional: bool = False
+    # False when the window cannot tell a step's fixed cost from its per-decode-token cost: fewer
+    # than MIN_VARIED_STEPS steps with another number of decode tokens than the most common one
+    # (e.g. a lone request decoding one token per step: fixed + per token is all it measures), or a
+    # fit that made tokens free (noise). The numbers are then a guess, not a measurement.
+    determined: bool = True
 
     def predict(self, num_prefill_tokens: int, num_decode_tokens: int) -> float:
         """Seconds for one step computing these tokens."""
@@ -73,7 +78,8 @@ def fit_step_cost(steps: list[tuple[int, int, float]]) -> StepCost | None:
     always in the same proportion) both get the slope on total tokens; when every step computed the
     same number of tokens, or the fit says a token costs nothing or less (noise: a machine shared
     with other work), the step time is taken as proportional to its tokens (no fixed part), a
-    per-token cost that is always positive. None if empty.
+    per-token cost that is always positive. Either way, and when too few steps differ in their
+    decode tokens to trust the split, the result says `determined=False`. None if empty.
     """
     if not steps:
         return None
@@ -91,8 +97,9 @@ def fit_step_cost(steps: list[tuple[int, int, float]]) -> StepCost | None:
         per_decode = per_prefill
     if per_prefill <= 0 or per_decode <= 0:
         per_token = sum(t * v for t, v in zip(total, y, strict=True)) / max(sum(t * t for t in total), 1.0)
-        return StepCost(0.0, per_token, per_token, len(steps), proportional=True)
-    return StepCost(max(fixed, 0.0), per_prefill, per_decode, len(steps))
+        return StepCost(0.0, per_token, per_token, len(steps), determined=False)
+    common = max(Counter(decode).values())
+    return StepCost(max(fixed, 0.0), per_prefill, per_decode, len(steps), determined=len(decode) - common >= MIN_VARIED_STEPS)
 
 
 def _solve_least_squares(columns: list[list[float]], y: list[float]) -> list[float] | None:

@@ -100,12 +100,12 @@ def test_a_lone_request_that_stopped_speculating_explores_again():
     fit = StepCostFit(window=64)
     for _ in range(64):
         fit.observe(0, 1, CPU_COST.predict(0, 1))
-    assert fit.cost().proportional
+    assert not fit.cost().determined
     assert choose_k([0.5], [4], fit.cost(), 0, 1, 1, budget=2048) == [4]
     for k in (4, 2, 0, 3) * 4:  # steps with proposals: now it measures that the fixed cost dominates
         fit.observe(0, 1 + k, CPU_COST.predict(0, 1 + k))
     cost = fit.cost()
-    assert not cost.proportional and cost.fixed_s == pytest.approx(CPU_COST.fixed_s)
+    assert cost.determined and cost.fixed_s == pytest.approx(CPU_COST.fixed_s)
     assert choose_k([0.5], [4], cost, 0, 1, 1, budget=2048)[0] > 0
     assert choose_k([0.5] * 64, [4] * 64, cost, 0, 64, 64, budget=2048) == [0] * 64
 

@@ -38,15 +38,15 @@ def test_undetermined_coefficients_fall_back():
     decode_only = fit_step_cost([(0, d, 0.005 + 0.001 * d) for d in (1, 2, 4, 8)])
     assert decode_only.per_decode_token_s == pytest.approx(0.001)
     assert decode_only.per_prefill_token_s == decode_only.per_decode_token_s  # no prompt seen: same as decode
-    assert not decode_only.proportional
+    assert decode_only.determined is False  # 4 steps: too few to trust the split
     same_shape = fit_step_cost([(0, 4, 0.02), (0, 4, 0.04)])
-    assert same_shape.fixed_s == 0 and same_shape.per_decode_token_s == pytest.approx(0.03 / 4) and same_shape.proportional
+    assert same_shape.fixed_s == 0 and same_shape.per_decode_token_s == pytest.approx(0.03 / 4) and not same_shape.determined
     assert fit_step_cost([]) is None
     # noise (a shared machine) can make tokens look free or cheaper than nothing: the step time is then
     # taken as proportional to its tokens, so a token always costs something
     noisy = fit_step_cost([(0, 1, 1.9), (0, 2, 1.7), (0, 3, 1.8), (10, 1, 1.75), (64, 2, 1.8)])
     assert noisy.fixed_s == 0 and noisy.per_prefill_token_s > 0 and noisy.per_decode_token_s == noisy.per_prefill_token_s
-    assert noisy.proportional
+    assert not noisy.determined
 
 
 def test_observe_and_cost_from_two_threads():

@@ -86,14 +86,14 @@ def choose_k(
 
     `num_*_tokens` and `num_sampling` describe the step as scheduled without speculation; `budget` is
     the step's remaining token budget. Without a cost fit yet (the engine's first steps), or with one
-    that could not tell a step's fixed cost from its per-token cost (`StepCost.proportional`: e.g. a
+    that could not tell a step's fixed cost from its per-token cost (`StepCost.determined` False: e.g. a
     lone request decoding one token per step, every step the same size), every candidate gets its
     `max_k` within the budget: proposals vary the steps' sizes, which is what the fit needs to
     measure whether they pay (without them a policy that once chose 0 would never learn otherwise).
     A cost with no per-token part at all (never from a fit) proposes nothing.
     """
     ks = [0] * len(acceptance)
-    if cost is None or cost.proportional:
+    if cost is None or not cost.determined:
         for i, m in enumerate(max_k):
             ks[i] = max(0, min(m, budget))
             budget -= ks[i]
