@@ -17,8 +17,7 @@ This module imports only the standard library.
 from __future__ import annotations
 
 import threading
-from collections import deque
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import asdict, dataclass
 
 MIN_VARIED_STEPS = 8  # steps of another decode size than the usual one, to separate fixed from per-token cost
