@@ -119,7 +119,8 @@ class ServeTarget:
         if os.environ.get("RAY_SERVE_ENABLE_DIRECT_INGRESS") == "1":  # the ingress replica listens itself
             port = _direct_ingress_port()
         self.url = f"http://127.0.0.1:{port}/v1/completions"
-        self.streams = serving_anchors.OpenAIStreams(self.url, Path(args["model"]).name)
+        self.model = Path(args["model"]).name
+        self.streams = serving_anchors.OpenAIStreams(self.url, self.model)
         self.client = self.streams.client
         self.stream = self.streams.stream
         self.processes = _serve_processes()
