@@ -1,7 +1,8 @@
 """A self-contained dashboard demo without Grafana: a private Ray instance running the app (2 replicas,
-KV-aware router), Prometheus with the shipped config and rules, ~2 minutes of mixed load (light →
-burst → light; short and long prompts, shared prefixes, stop and length finishes), then every panel
-of dashboards/llm-serving.json rendered to PNG from Prometheus (`render_panels.py --all`).
+the prefix-aware router, n-gram speculation with adaptive k, so that every panel has data),
+Prometheus with the shipped config and rules, ~2 minutes of mixed load (light → burst → light; short
+and long prompts, shared prefixes, stop and length finishes), then every panel of
+dashboards/llm-serving.json rendered to PNG from Prometheus (`render_panels.py --all`).
 
     make dashboard-demo            # → reports/dashboard/{overview.png, <panel>.png, panels.json}
 
@@ -52,8 +53,9 @@ def main(argv: list[str] | None = None) -> int:
         http_port = local_stack.free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": http_port})
         serve.run(build_app({"model": args.model, "num_replicas": 2, "num_cpus_per_replica": 0.5, "torch_num_threads": 1,
-                             "max_ongoing_requests": 32, "api_key_env": "", "router": "kv_aware",
-                             "engine": {"dtype": "float32", "num_blocks": 96, "max_num_seqs": 16}}),
+                             "max_ongoing_requests": 32, "api_key_env": "", "router": "prefix_aware",
+                             "engine": {"dtype": "float32", "num_blocks": 96, "max_num_seqs": 16,
+                                        "speculative": {"method": "ngram"}}}),
                   name="llm", route_prefix="/")
         base_url = f"http://127.0.0.1:{http_port}"
         config = local_stack.prometheus_config(ray_instance.sd_file, scrape_interval="2s", evaluation_interval="2s")
