@@ -27,9 +27,7 @@ import datetime as dt
 import json
 import os
 import platform
-import random
 import shlex
-import socket
 import statistics
 import sys
 import time
@@ -42,6 +40,8 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # loadtest.* when run as a script
 from loadtest import serving_anchors, serving_path  # noqa: E402
+from loadtest.serving_anchors import random_prompts  # noqa: E402
+from serve_app.metrics import local_stack  # noqa: E402
 
 # one event loop for every measurement: the HTTP client's pooled connections belong to it
 LOOP = asyncio.new_event_loop()
@@ -49,11 +49,6 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # Ray on the lo
 
 
 # ---- workload ----------------------------------------------------------------------------------------
-def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(100, vocab) for _ in range(length)] for _ in range(n)]
-
-
 def pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
@@ -111,7 +106,7 @@ class ServeTarget:
 
         if not ray.is_initialized():  # replicas import loadtest.null_backend from the repository
             ray.init(include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
-        port = _free_port()
+        port = local_stack.free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         t0 = time.perf_counter()
         serve.run(build_app(args), name="bench", route_prefix="/")
@@ -199,12 +194,6 @@ def _direct_ingress_port() -> int:
             if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2).status_code == 200:
                 return port
     raise RuntimeError(f"no direct-ingress replica answers on 127.0.0.1:{low}-{high}")
-
-
-def _free_port() -> int:
-    with contextlib.closing(socket.socket()) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---- measurements ---------------------------------------------------------------------------------------

@@ -22,12 +22,13 @@ import contextlib
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from serve_app.metrics import local_stack
 
 REPO = Path(__file__).resolve().parents[1]
 ANCHORS = ("native-offline", "vllm-offline", "vllm-server", "ray-serve-llm")
@@ -67,15 +68,15 @@ class OpenAIStreams:
         await self.client.aclose()
 
 
-def prompts_for(repeat: int, n: int, length: int, vocab: int) -> list[list[int]]:
-    rng = random.Random(1000 * repeat + n)
+def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    """`n` prompts of `length` random token ids (ids from 100 up: no special tokens)."""
+    rng = random.Random(seed)
     return [[rng.randrange(100, vocab) for _ in range(length)] for _ in range(n)]
 
 
-def free_port() -> int:
-    with contextlib.closing(socket.socket()) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def prompts_for(repeat: int, n: int, length: int, vocab: int) -> list[list[int]]:
+    """New prompts for each repeat (no prefix-cache hits across repeats)."""
+    return random_prompts(n, length, vocab, seed=1000 * repeat + n)
 
 
 def wait_ready(url: str, proc: subprocess.Popen | None = None) -> float:
@@ -157,7 +158,7 @@ def run_vllm_offline(opts: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def run_vllm_server(opts: argparse.Namespace) -> list[dict[str, Any]]:
-    port = free_port()
+    port = local_stack.free_port()
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", opts.model, "--served-model-name", MODEL_ID,
            "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--enforce-eager", "--max-num-seqs", "64",
            "--no-enable-prefix-caching", "--seed", "0"]
@@ -178,7 +179,7 @@ def run_ray_serve_llm(opts: argparse.Namespace) -> list[dict[str, Any]]:
     from ray import serve
     from ray.serve.llm import LLMConfig, build_openai_app
 
-    port = free_port()
+    port = local_stack.free_port()
     ray.init(include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -242,7 +243,6 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--concurrency", type=int, nargs="+", default=[32])
     opts = p.parse_args()
-    sys.path.insert(0, str(REPO))
     print(json.dumps({"runs": RUNNERS[opts.anchor](opts)}), flush=True)
 
 

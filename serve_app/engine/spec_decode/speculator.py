@@ -71,4 +71,3 @@ class Speculator:
     def forget(self, request_id: str) -> None:
         self.acceptance.forget(request_id)
         self.proposer.forget(request_id)
-
