@@ -80,3 +80,22 @@ def test_rejects_mismatched_dtypes():
     cache = torch.randn(2, 16, 2, 64, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="one dtype"):
         KERNEL(torch.empty_like(q), q, cache, cache, torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.int32), 1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_long_contexts_and_peaked_softmax(dtype):
+    """Contexts past several 32-token weight packs with ragged tails, and scores spread over a wide
+    range (most softmax weights underflow to 0): the vectorized exp and the bf16 weight pairs."""
+    gen = torch.Generator().manual_seed(7)
+    batch, heads, kv_heads, head_dim, block_size = 5, 6, 2, 64, 16
+    lens = torch.tensor([1, 33, 517, 600, 95], dtype=torch.int32)
+    max_blocks = -(-600 // block_size)
+    num_blocks = batch * max_blocks
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    block_tables = torch.randperm(num_blocks, generator=gen).view(batch, max_blocks)
+    q = torch.randn(batch, heads, head_dim, generator=gen).to(dtype)
+    for scale in (head_dim**-0.5, 2.0):
+        out = torch.full_like(q, float("nan"))
+        KERNEL(out, q, k_cache, v_cache, block_tables, lens, scale)
+        torch.testing.assert_close(out.float(), reference(q, k_cache, v_cache, block_tables, lens, scale), atol=TOL[dtype], rtol=TOL[dtype])

@@ -6,15 +6,18 @@
 //   block_tables:  [B, max_blocks] int64, context_lens: [B] int32, scale: softmax scale
 //
 // Decode attention is a stream over random KV blocks, so the loop order follows memory: blocks
-// outermost (the next block is prefetched), then the KV heads of a token row, then the G query
-// heads that share each KV head (GQA). Accumulation is fp32 whatever the cache dtype.
+// outermost (the next block is prefetched, and the next request's blocks are streamed in while this
+// one is computed: Lookahead), then the KV heads of a token row, then the G query heads that share
+// each KV head (GQA). Accumulation is fp32 whatever the cache dtype.
 //
 // Two implementations of the same loops:
 // - portable C++ (any head_dim, any x86/ARM CPU);
 // - AVX-512 for head_dim 64 and 128 (the common ones), chosen when the compiler targets it: scores
 //   for 16 tokens at once (one transpose-reduce instead of 16 horizontal sums), bf16 caches read with
-//   the AVX512-BF16 dot-product instruction when available, and K/V rows converted to fp32 once per
-//   block and KV head, not once per query head.
+//   the AVX512-BF16 dot-product instruction when available (P.V too: two tokens per instruction,
+//   the softmax weights packed to bf16 pairs once, the accumulators in registers for a chunk), K/V
+//   rows converted to fp32 once per block and KV head otherwise, and a vectorized softmax (a scalar
+//   exp per score was once half the kernel's compute).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -64,6 +67,43 @@ struct Problem {
   }
 };
 
+// Streams the next request's K and V blocks toward the cache while the current one is computed.
+// Decode attention does little arithmetic per byte, and a block table scatters a request over
+// memory, so neither the hardware prefetcher nor a block-ahead prefetch hides DRAM latency (the
+// kernel read 8 GB/s of a measured 25). The next request's lines are issued a share at a time, one
+// share per 16-token chunk of the current request, so few loads are in flight at once.
+template <typename T>
+struct Lookahead {
+  const Problem<T>* p = nullptr;
+  int64_t b = 0, nblk = 0, blk = 0, off = 0, per_chunk = 0;
+  int pass = 2;  // 0: K blocks, 1: V blocks, 2: done (or never started)
+
+  // prefetch request `next` over the `chunks` chunk steps of the current request
+  void start(const Problem<T>& problem, int64_t next, int64_t chunks) {
+    p = &problem;
+    b = next;
+    nblk = (problem.lens[next] + problem.bs - 1) / problem.bs;
+    blk = off = 0;
+    pass = 0;
+    const int64_t lines = 2 * nblk * ((problem.block * static_cast<int64_t>(sizeof(T)) + 63) / 64);
+    per_chunk = (lines + chunks - 1) / std::max<int64_t>(chunks, 1);
+  }
+
+  inline void step() {
+    if (pass >= 2) return;
+    const int64_t bytes = p->block * static_cast<int64_t>(sizeof(T));
+    for (int64_t n = 0; n < per_chunk && pass < 2; ++n) {
+      __builtin_prefetch(reinterpret_cast<const char*>(p->block_ptr(pass == 0 ? p->k : p->v, b, blk)) + off);
+      off += 64;
+      if (off < bytes) continue;
+      off = 0;
+      if (++blk < nblk) continue;
+      blk = 0;
+      ++pass;
+    }
+  }
+};
+
 // Per-task scratch, reused across the tasks a thread runs.
 struct Scratch {
   std::vector<float> q;       // [H * D] fp32 queries (scaled on the portable path)
@@ -71,6 +111,7 @@ struct Scratch {
   std::vector<float> acc;     // [H * D] output accumulators
   std::vector<float> rows;    // [16 * D] one block chunk of K or V rows in fp32
   std::vector<float> inv;     // [H] 1 / softmax denominator
+  std::vector<uint32_t> wp;   // [H * pairs] softmax numerators as bf16 pairs (bf16 path)
 };
 
 // scores -> softmax numerators in place; inv[h] = 1 / sum
@@ -100,7 +141,7 @@ void write_out(const Problem<T>& p, const Scratch& s, int64_t b, int64_t h0, int
 // ---- portable path -------------------------------------------------------------------------------
 // KV heads [kv0, kv1) of request b
 template <typename T>
-void attend_portable(const Problem<T>& p, Scratch& s, int64_t b, int64_t kv0, int64_t kv1) {
+void attend_portable(const Problem<T>& p, Scratch& s, int64_t b, int64_t kv0, int64_t kv1, Lookahead<T>&) {
   const int64_t D = p.D, G = p.G, len = p.lens[b], h0 = kv0 * G, h1 = kv1 * G;
   for (int64_t h = h0; h < h1; ++h)
     for (int64_t d = 0; d < D; ++d) s.q[h * D + d] = to_f32(p.q[b * p.q_b + h * p.q_h + d]) * p.scale;
@@ -163,6 +204,46 @@ inline __m512 hsum16(const __m512* v) {
                        _mm512_shuffle_f32x4(e[0], e[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
+// e^x for 16 lanes: x = n ln2 + r with |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial
+// (relative error < 2e-7 there), times 2^n by scalef, which also flushes underflow to 0.
+// NaN propagates; x is clamped below at -104 (where e^x is 0 in fp32 anyway).
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(_mm512_set1_ps(-104.f), x);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);  // ln2, high bits
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);    // ln2, the rest
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+inline __mmask16 tail_mask(int64_t n) { return static_cast<__mmask16>(n >= 16 ? 0xFFFF : (1u << n) - 1); }
+
+// softmax_rows, 16 lanes at a time
+inline void softmax_rows16(float* scores, float* inv, int64_t h0, int64_t h1, int64_t len) {
+  for (int64_t h = h0; h < h1; ++h) {
+    float* sh = scores + h * len;
+    __m512 mx = _mm512_set1_ps(-FLT_MAX);
+    for (int64_t t = 0; t < len; t += 16)
+      mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(mx, tail_mask(len - t), sh + t));
+    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t t = 0; t < len; t += 16) {
+      const __mmask16 k = tail_mask(len - t);
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sh + t), m));
+      _mm512_mask_storeu_ps(sh + t, k, e);
+      sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(k, e));
+    }
+    inv[h] = 1.f / _mm512_reduce_add_ps(sum);
+  }
+}
+
 #if defined(__AVX512BF16__)
 constexpr bool kHasBf16Dot = true;
 #else
@@ -199,31 +280,67 @@ inline __m512 chunk_scores(const float* qf, const T* qraw, const T* k, int64_t s
 }
 
 #if defined(__AVX512BF16__)
-// acc[h] += sum_i w[h][i] * v_i for the n (<= 16) rows of one chunk, two tokens per dot-product step:
-// rows i and i+1 interleaved 16 bits at a time pair each v_i[d] with v_{i+1}[d], and the weights are
-// the bf16 pair (w_i, w_{i+1}). The interleave permutes d within each 32-element group; acc keeps
-// that order until unpermute_pairs.
-template <int NV>
-inline void accumulate_pv_bf16(Scratch& s, const c10::BFloat16* v, int64_t stride, int64_t n, int64_t h0,
-                               int64_t h1, int64_t len, int64_t t0) {
+// The softmax numerators of heads [h0, h1) as bf16 pairs: wp[h * pairs + t / 2] = (w[t], w[t + 1]),
+// zero past len, so a dot-product step weighs two tokens at once.
+inline void pack_weight_pairs(Scratch& s, int64_t h0, int64_t h1, int64_t len, int64_t pairs) {
+  for (int64_t h = h0; h < h1; ++h) {
+    const float* w = s.scores.data() + h * len;
+    uint32_t* out = s.wp.data() + h * pairs;
+    for (int64_t t = 0; t < len; t += 32) {
+      const int64_t n = std::min<int64_t>(32, len - t);
+      const __m512 lo = _mm512_maskz_loadu_ps(static_cast<__mmask16>(n >= 16 ? 0xFFFF : (1u << n) - 1), w + t);
+      const __m512 hi = n > 16 ? _mm512_maskz_loadu_ps(static_cast<__mmask16>(n >= 32 ? 0xFFFF : (1u << (n - 16)) - 1), w + t + 16)
+                               : _mm512_setzero_ps();
+      _mm512_storeu_si512(out + t / 2, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+  }
+}
+
+// acc[g] += sum_i w[g][i] * v_i for GH heads sharing one KV head and the n (<= 16) rows of one chunk,
+// two tokens per dot-product step: rows i and i+1 interleaved 16 bits at a time pair each v_i[d]
+// with v_{i+1}[d], against the weight pair (w_i, w_{i+1}). The interleave permutes d within each
+// 32-element group; acc keeps that order until unpermute_pairs. The accumulators stay in registers
+// for the whole chunk.
+template <int NV, int GH>
+inline void pv_chunk(float* acc, int64_t acc_stride, const uint32_t* wp, int64_t wp_stride, const c10::BFloat16* v,
+                     int64_t stride, int64_t n) {
+  __m512 a[GH][NV];
+  for (int g = 0; g < GH; ++g)
+    for (int j = 0; j < NV; ++j) a[g][j] = _mm512_loadu_ps(acc + g * acc_stride + 16 * j);
   for (int64_t i = 0; i < n; i += 2) {
     const bool pair = i + 1 < n;
     __m512i lo[NV / 2], hi[NV / 2];
     for (int j = 0; j < NV / 2; ++j) {
-      const __m512i a = _mm512_loadu_si512(v + i * stride + 32 * j);
-      const __m512i b = pair ? _mm512_loadu_si512(v + (i + 1) * stride + 32 * j) : _mm512_setzero_si512();
-      lo[j] = _mm512_unpacklo_epi16(a, b);
-      hi[j] = _mm512_unpackhi_epi16(a, b);
+      const __m512i x = _mm512_loadu_si512(v + i * stride + 32 * j);
+      const __m512i y = pair ? _mm512_loadu_si512(v + (i + 1) * stride + 32 * j) : _mm512_setzero_si512();
+      lo[j] = _mm512_unpacklo_epi16(x, y);
+      hi[j] = _mm512_unpackhi_epi16(x, y);
     }
-    for (int64_t h = h0; h < h1; ++h) {
-      const float* w = s.scores.data() + h * len + t0;
-      const uint32_t w0 = c10::BFloat16(w[i]).x, w1 = pair ? c10::BFloat16(w[i + 1]).x : 0;
-      const __m512bh wp = (__m512bh)_mm512_set1_epi32(static_cast<int>(w0 | (w1 << 16)));
-      float* acc = s.acc.data() + h * NV * 16;
+    for (int g = 0; g < GH; ++g) {
+      const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(wp[g * wp_stride + i / 2]));
       for (int j = 0; j < NV / 2; ++j) {
-        _mm512_storeu_ps(acc + 32 * j, _mm512_dpbf16_ps(_mm512_loadu_ps(acc + 32 * j), (__m512bh)lo[j], wp));
-        _mm512_storeu_ps(acc + 32 * j + 16, _mm512_dpbf16_ps(_mm512_loadu_ps(acc + 32 * j + 16), (__m512bh)hi[j], wp));
+        a[g][2 * j] = _mm512_dpbf16_ps(a[g][2 * j], (__m512bh)lo[j], w);
+        a[g][2 * j + 1] = _mm512_dpbf16_ps(a[g][2 * j + 1], (__m512bh)hi[j], w);
       }
+    }
+  }
+  for (int g = 0; g < GH; ++g)
+    for (int j = 0; j < NV; ++j) _mm512_storeu_ps(acc + g * acc_stride + 16 * j, a[g][j]);
+}
+
+// The query heads [h0, h1) of one KV head over one chunk, at most four heads per pass.
+template <int NV>
+inline void accumulate_pv_bf16(Scratch& s, const c10::BFloat16* v, int64_t stride, int64_t n, int64_t h0, int64_t h1,
+                               int64_t pairs, int64_t t0) {
+  constexpr int64_t D = NV * 16;
+  for (int64_t h = h0; h < h1; h += 4) {
+    float* acc = s.acc.data() + h * D;
+    const uint32_t* wp = s.wp.data() + h * pairs + t0 / 2;
+    switch (std::min<int64_t>(4, h1 - h)) {
+      case 1: pv_chunk<NV, 1>(acc, D, wp, pairs, v, stride, n); break;
+      case 2: pv_chunk<NV, 2>(acc, D, wp, pairs, v, stride, n); break;
+      case 3: pv_chunk<NV, 3>(acc, D, wp, pairs, v, stride, n); break;
+      default: pv_chunk<NV, 4>(acc, D, wp, pairs, v, stride, n); break;
     }
   }
 }
@@ -243,12 +360,13 @@ inline void unpermute_pairs(float* acc, float* tmp) {
 #else
 template <int NV>
 inline void accumulate_pv_bf16(Scratch&, const c10::BFloat16*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t) {}
+inline void pack_weight_pairs(Scratch&, int64_t, int64_t, int64_t, int64_t) {}
 template <int NV>
 inline void unpermute_pairs(float*, float*) {}
 #endif
 
 template <typename T, int NV>
-void attend_avx512(const Problem<T>& p, Scratch& s, int64_t b, int64_t kv0, int64_t kv1) {
+void attend_avx512(const Problem<T>& p, Scratch& s, int64_t b, int64_t kv0, int64_t kv1, Lookahead<T>& ahead) {
   constexpr int64_t D = NV * 16;
   constexpr bool bf16_dot = std::is_same_v<T, c10::BFloat16> && kHasBf16Dot;
   const int64_t G = p.G, len = p.lens[b], h0 = kv0 * G, h1 = kv1 * G;
@@ -262,6 +380,7 @@ void attend_avx512(const Problem<T>& p, Scratch& s, int64_t b, int64_t kv0, int6
     for (int64_t c = 0; c < std::min(p.bs, len - start); c += 16) {
       const int64_t n = std::min<int64_t>(16, std::min(p.bs, len - start) - c);
       const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
+      ahead.step();
       for (int64_t kvh = kv0; kvh < kv1; ++kvh) {
         const T* kr = kb + c * p.row + kvh * D;
         for (int64_t h = kvh * G; h < (kvh + 1) * G; ++h) {
@@ -271,17 +390,20 @@ void attend_avx512(const Problem<T>& p, Scratch& s, int64_t b, int64_t kv0, int6
       }
     }
   }
-  softmax_rows(s.scores.data(), s.inv.data(), h0, h1, len);
+  softmax_rows16(s.scores.data(), s.inv.data(), h0, h1, len);
+  const int64_t pairs = (len + 31) / 32 * 16;
+  if constexpr (bf16_dot) pack_weight_pairs(s, h0, h1, len, pairs);
   std::fill(s.acc.begin() + h0 * D, s.acc.begin() + h1 * D, 0.f);
   for (int64_t start = 0, blk = 0; start < len; start += p.bs, ++blk) {
     p.prefetch_block(p.v, b, blk + 1);
     const T* vb = p.block_ptr(p.v, b, blk);
     for (int64_t c = 0; c < std::min(p.bs, len - start); c += 16) {
       const int64_t n = std::min<int64_t>(16, std::min(p.bs, len - start) - c);
+      ahead.step();
       for (int64_t kvh = kv0; kvh < kv1; ++kvh) {
         const T* vr = vb + c * p.row + kvh * D;
         if constexpr (bf16_dot) {
-          accumulate_pv_bf16<NV>(s, vr, p.row, n, kvh * G, (kvh + 1) * G, len, start + c);
+          accumulate_pv_bf16<NV>(s, vr, p.row, n, kvh * G, (kvh + 1) * G, pairs, start + c);
           continue;
         }
         for (int64_t i = 0; i < n; ++i)  // fp32 once per row, shared by the G query heads
@@ -349,7 +471,11 @@ void decode_impl(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torc
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / tasks_per_request, kv0 = (task % tasks_per_request) * heads_per_task;
       s.scores.resize(p.H * p.lens[b]);
-      attend(p, s, b, kv0, kv0 + heads_per_task);
+      s.wp.resize(p.H * ((p.lens[b] + 31) / 32 * 16));
+      // whole-request tasks run requests back to back: stream in the next over both passes' chunks
+      Lookahead<T> ahead;
+      if (task + 1 < end && heads_per_task == p.Hkv) ahead.start(p, b + 1, 2 * ((p.lens[b] + 15) / 16));
+      attend(p, s, b, kv0, kv0 + heads_per_task, ahead);
     }
   });
 }
@@ -372,3 +498,4 @@ void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, tor
     default: TORCH_CHECK(false, "paged_decode: float32, bfloat16 or float16 only, got ", q.scalar_type());
   }
 }
+
