@@ -249,7 +249,10 @@ class ServeConfig:
     `factory(config)` to make one engine `StatLogger`. `stream_batch_interval_s` > 0 lets a replica
     merge a stream's deltas that arrive within that interval into one item (the first token and the
     finish are never held): each streamed item costs CPU in the replica, the ingress and the proxy,
-    which matters when engine steps are much shorter than the interval (GPUs).
+    which matters when engine steps are much shorter than the interval (GPUs). `stream_multiplexing`
+    sends every delta a replica owes one ingress replica in one Ray message per flush instead of one
+    item per stream (`serving.stream_mux`, docs/serving-path.md): the replica → ingress hop then
+    costs per engine step, not per token.
     A streamed response's headers go out as soon as every choice is admitted by its replica (validated
     and queued), and while no token comes (a long queue) a `: keep-alive` SSE comment is sent every
     `stream_keepalive_s`, so proxies with idle timeouts keep the connection.
@@ -287,6 +290,7 @@ class ServeConfig:
     drain_timeout_s: float = 60.0  # a replica being removed serves its in-flight streams this long, then aborts them
     stat_logger_factories: tuple[str, ...] = ()
     stream_batch_interval_s: float = 0.0  # >0: merge a stream's deltas for up to this long (fewer Ray items)
+    stream_multiplexing: bool = False  # one Ray message per flush carries every stream a replica owes an ingress
     # OpenAIIngress deployment
     ingress_num_replicas: int = 1
     ingress_num_cpus: float = 0.1
@@ -335,6 +339,7 @@ class ServeConfig:
         _require(self.replica_failure_retries >= 0, "replica_failure_retries", "must be >= 0")
         _require(self.retry_after_s >= 0, "retry_after_s", "must be >= 0")
         _require(0 <= self.stream_batch_interval_s <= 1, "stream_batch_interval_s", "must be in [0, 1] seconds")
+        _require(isinstance(self.stream_multiplexing, bool), "stream_multiplexing", "must be true or false")
         for path in self.stat_logger_factories:
             _require(isinstance(path, str) and ":" in path, "stat_logger_factories", f"expected 'module:callable', got {path!r}")
         if self.request_router_class:

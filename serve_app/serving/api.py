@@ -39,7 +39,8 @@ from serve_app.serving.errors import APIError, to_api_error, validation_error
 from serve_app.serving.middleware import APIKeyMiddleware, BodySizeLimitMiddleware
 from serve_app.serving.openai_protocol import ChatCompletionRequest, CompletionRequest
 from serve_app.serving.responses import DONE_EVENT, KEEPALIVE_EVENT, ChoiceState, ResponseBuilder
-from serve_app.serving.streams import ChoicePump, ChoiceStream, start_all
+from serve_app.serving.stream_mux import MuxReceiver
+from serve_app.serving.streams import ChoicePump, ChoiceStream, MuxedChoiceStream, start_all
 from serve_app.types import GenerateRequest
 
 logger = logging.getLogger("ray.serve")
@@ -65,11 +66,19 @@ class _ClosingStreamingResponse(StreamingResponse):
 
 
 class OpenAIAPI:
-    def __init__(self, llm_handle, config: ServeConfig, info: ModelInfo, input_processor=None) -> None:
+    def __init__(self, llm_handle, config: ServeConfig, info: ModelInfo, input_processor=None,
+                 mux: MuxReceiver | None = None) -> None:
         self.llm = llm_handle
         self.config = config
         self.info = info
         self.input_processor = input_processor  # serve_app.engine.input_processor.InputProcessor, or None
+        self.mux = mux  # this ingress's inlet with stream multiplexing, else None
+
+    def _stream(self, request: GenerateRequest, call_suffix: str) -> ChoiceStream:
+        retries = self.config.replica_failure_retries
+        if self.mux is None:
+            return ChoiceStream(self.llm, request, retries, call_suffix)
+        return MuxedChoiceStream(self.llm, request, self.mux, retries, call_suffix)
 
     def _prepare(self, request: GenerateRequest, salt: str | None) -> GenerateRequest:
         """The request with its token ids (tokenized once, here) and cache salt."""
@@ -164,8 +173,7 @@ class OpenAIAPI:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.request_timeout_s
         fan_out = len(requests) > 1
-        streams = [ChoiceStream(self.llm, r, self.config.replica_failure_retries, call_suffix=str(i) if fan_out else "")
-                   for i, r in enumerate(requests)]
+        streams = [self._stream(r, str(i) if fan_out else "") for i, r in enumerate(requests)]
         async with asyncio.timeout_at(deadline):
             firsts = await start_all(streams)  # errors (400, 503, ...) surface here, before any byte is sent
         choices = [ChoiceState(prompt_index=p) for p in prompt_indexes]

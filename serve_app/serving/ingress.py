@@ -5,6 +5,7 @@ lives in module globals. The constructor waits until an LLMServer replica answer
 so a RUNNING ingress means the API can serve; it then logs the URL clients use. With
 `tokenize_in_ingress` it loads the model's tokenizer through the engine's own `InputProcessor`, and
 prompts are tokenized here, once (the router hashes those ids; replicas do not tokenize again).
+With `stream_multiplexing` it starts this replica's stream inlet (`serving.stream_mux`).
 
 The API key is read here, in the replica's own process, from the environment variable the config
 names (`api_key_env`): it never travels as a deployment argument, which Serve would keep in its
@@ -24,6 +25,7 @@ from ray.serve.handle import DeploymentHandle
 
 from serve_app.config import ServeConfig
 from serve_app.serving.api import OpenAIAPI, build_fastapi_app
+from serve_app.serving.stream_mux import MuxReceiver
 
 logger = logging.getLogger("ray.serve")
 
@@ -53,7 +55,8 @@ class OpenAIIngress:
     async def __init__(self, llm: DeploymentHandle, config: ServeConfig) -> None:
         self._api_key = api_key_from_env(config.api_key_env)
         info = await llm.model_info.remote()
-        self.api = OpenAIAPI(llm, config, info, make_input_processor(config, info.max_model_len))
+        mux = MuxReceiver().start() if config.stream_multiplexing else None
+        self.api = OpenAIAPI(llm, config, info, make_input_processor(config, info.max_model_len), mux)
         logger.info("OpenAI-compatible API ready: model %r (context %d tokens, backend %s)",
                     info.name, info.max_model_len, info.backend)
 

@@ -5,6 +5,8 @@ Called only through a `DeploymentHandle` (from `OpenAIIngress`):
   compact deltas made from the backend's `RequestOutput`s. Invalid input raises `ValueError`
   ("field: ...") on the first item; else the first item is an empty chunk confirming admission;
   cancelling the call (client disconnect) aborts the request in the engine and frees its KV blocks.
+- `generate_muxed(request, inlet)`: the same, except that the chunks after the admission chunk go
+  to the calling ingress's inlet, multiplexed with its other streams (`serving.stream_mux`).
 - `model_info()` → `ModelInfo` (served name, context length).
 - Ray Serve calls `record_routing_stats()` every `request_routing_stats_period_s` and hands the dict
   (`kv_cache_usage`, `num_free_blocks`, `num_total_blocks`, `num_waiting`, `num_running`,
@@ -31,7 +33,7 @@ import importlib
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 from ray import serve
@@ -44,6 +46,7 @@ from serve_app.serving.drain import shutdown_probe
 from serve_app.serving.heap_trim import IdleHeapTrimmer
 from serve_app.serving.pending_prefixes import PendingPrefixes
 from serve_app.serving.stream_batching import GenerationChunk, batch_stream
+from serve_app.serving.stream_mux import InletAddress, InletSenders
 from serve_app.types import GenerateRequest
 
 __all__ = ["GenerationChunk", "LLMServer", "batch_stream"]
@@ -78,6 +81,27 @@ def configure_torch_threads(num_threads: int) -> int:
     return n
 
 
+class _Tally:
+    """What a request produced so far (for its log line); its first token marks its prompt prefilled."""
+
+    def __init__(self, on_first_token: Callable[[], None]) -> None:
+        self._on_first_token = on_first_token
+        self.num_tokens = 0
+        self.reason: str | None = None
+
+    def add(self, num_tokens: int, reason: str | None) -> None:
+        if num_tokens and not self.num_tokens:
+            self._on_first_token()
+        self.num_tokens += num_tokens
+        self.reason = reason
+
+    def cut(self, request: GenerateRequest) -> GenerationChunk:
+        """The drain cut the request (the engine did not answer its abort): end the stream with an
+        abort the caller can report, rather than a stream that just stops."""
+        self.reason = "abort"
+        return GenerationChunk("", (), True, "abort", len(request.prompt_token_ids or ()))
+
+
 @serve.deployment(name="LLMServer")
 class LLMServer:
     """One replica = one backend. Deployment options (replicas, CPUs, GPUs, limits, routing-stats
@@ -100,16 +124,64 @@ class LLMServer:
         self._pending = PendingPrefixes(config.kv_block_size)  # prompts not yet prefilled (routers read them)
         self._heap = IdleHeapTrimmer()
         self._cut: set[str] = set()  # requests the drain cancelled (their streams end with an abort chunk)
+        self._senders = InletSenders(config.stream_batch_interval_s)  # multiplexed streams, per ingress
         self._drain_task = asyncio.get_running_loop().create_task(self._drain_on_shutdown())
         logger.info("LLMServer replica ready: model %s, context %d tokens, torch threads %s",
                     self._info.name, self._info.max_model_len, threads or "n/a")
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerationChunk]:
+        request = self._arrived(request)
+        with self._tracked(request) as tally:
+            try:
+                async with contextlib.aclosing(batch_stream(self.backend.generate(request), self.config.stream_batch_interval_s)) as chunks:
+                    async for chunk in chunks:
+                        tally.add(len(chunk.token_ids), chunk.finish_reason)
+                        yield chunk
+            except asyncio.CancelledError:
+                if request.request_id not in self._cut:
+                    raise  # the caller went away
+                yield tally.cut(request)
+
+    async def generate_muxed(self, request: GenerateRequest, inlet: InletAddress) -> AsyncIterator[GenerationChunk]:
+        """`generate` with stream multiplexing (serving.stream_mux): only the admission chunk comes on
+        this call; every later delta goes to `inlet`, the caller's ingress, together with that
+        ingress's other streams. The call stays open while the request runs and ends with it (a
+        stream the drain cut ends with its abort chunk here)."""
+        request = self._arrived(request)
+        sender = self._senders.get(inlet)
+        with self._tracked(request) as tally:
+            try:
+                async with contextlib.aclosing(self.backend.generate(request)) as outputs:
+                    first = await anext(outputs)  # the admission delta; invalid input raises here
+                    yield GenerationChunk.from_output(first)
+                    tally.add(len(first.token_ids), first.finish_reason)
+                    if first.finished:
+                        return
+                    async for out in outputs:
+                        tally.add(len(out.token_ids), out.finish_reason)
+                        sender.add(request.request_id, out)
+            except asyncio.CancelledError:
+                sender.forget(request.request_id)
+                if request.request_id not in self._cut:
+                    raise
+                yield tally.cut(request)
+            except BaseException:
+                sender.forget(request.request_id)
+                raise
+            finally:
+                self._senders.release(inlet)
+
+    @staticmethod
+    def _arrived(request: GenerateRequest) -> GenerateRequest:
         # the engine's timings (TTFT, queue time) start when the request reaches this replica: the
         # ingress's monotonic clock may be another machine's
-        request = dataclasses.replace(request, arrival_time=time.monotonic())
-        num_tokens = 0
-        reason = None
+        return dataclasses.replace(request, arrival_time=time.monotonic())
+
+    @contextlib.contextmanager
+    def _tracked(self, request: GenerateRequest) -> Iterator[_Tally]:
+        """A request's bookkeeping while it runs: the drain's view of in-flight requests, the
+        pending prefix routers see until its first token, idle heap trimming, and its log line."""
+        tally = _Tally(lambda: self._pending.done(request.request_id))
         task = asyncio.current_task()
         if task is not None:
             self._in_flight[request.request_id] = task
@@ -117,20 +189,7 @@ class LLMServer:
             self._pending.add(request.request_id, prompt_block_keys(
                 request.prompt_token_ids, self._pending.block_size, request.cache_salt))
         try:
-            async with contextlib.aclosing(batch_stream(self.backend.generate(request), self.config.stream_batch_interval_s)) as chunks:
-                async for chunk in chunks:
-                    if chunk.token_ids and not num_tokens:  # the first token: its prompt is prefilled
-                        self._pending.done(request.request_id)
-                    num_tokens += len(chunk.token_ids)
-                    reason = chunk.finish_reason
-                    yield chunk
-        except asyncio.CancelledError:
-            if request.request_id not in self._cut:
-                raise  # the caller went away
-            # the drain cut it (the engine did not answer its abort): end the stream with an abort
-            # the caller can report, rather than a stream that just stops
-            reason = "abort"
-            yield GenerationChunk("", (), True, "abort", len(request.prompt_token_ids or ()))
+            yield tally
         finally:
             self._cut.discard(request.request_id)
             self._in_flight.pop(request.request_id, None)
@@ -138,9 +197,9 @@ class LLMServer:
             self._heap.served()
             if self.config.log_requests:
                 logger.info("request %s: prompt %r → %d tokens (%s)", request.request_id,
-                            request.prompt if request.messages is None else request.messages, num_tokens, reason)
+                            request.prompt if request.messages is None else request.messages, tally.num_tokens, tally.reason)
             else:
-                logger.debug("request %s: %d tokens (%s)", request.request_id, num_tokens, reason)
+                logger.debug("request %s: %d tokens (%s)", request.request_id, tally.num_tokens, tally.reason)
 
     def model_info(self) -> ModelInfo:
         return self._info

@@ -26,6 +26,7 @@ from typing import Any
 
 from serve_app.serving.errors import APIError, is_retriable
 from serve_app.serving.llm_server import GenerationChunk
+from serve_app.serving.stream_mux import MuxReceiver
 from serve_app.types import GenerateRequest
 
 _DONE = object()
@@ -65,11 +66,14 @@ class ChoiceStream:
         self._response: Any = None
         self.finished = False
 
+    def _remote(self) -> Any:
+        return self._handle.options(stream=True).generate.remote(self.request)
+
     def _call(self) -> Any:
         if not self._call_suffix:
-            return self._handle.options(stream=True).generate.remote(self.request)
+            return self._remote()
         with own_serve_request_id(self._call_suffix):
-            return self._handle.options(stream=True).generate.remote(self.request)
+            return self._remote()
 
     async def start(self) -> GenerationChunk:
         """Send the request; return its first chunk (raises what the replica raised)."""
@@ -113,6 +117,42 @@ class ChoiceStream:
         """Cancel the replica call unless the request finished (aborts it in the engine)."""
         if not self.finished:
             self._cancel()
+
+
+class MuxedChoiceStream(ChoiceStream):
+    """A `ChoiceStream` whose chunks after the first come through this ingress's inlet
+    (`serving.stream_mux`). The replica call stays open until the request ends: it fails if the
+    replica does (that error ends the stream), and a stream the replica's drain cut gets its abort
+    chunk on it; cancelling it (`close`) aborts the request, as without multiplexing."""
+
+    def __init__(self, handle: Any, request: GenerateRequest, receiver: MuxReceiver, retries: int = 1,
+                 call_suffix: str = "") -> None:
+        super().__init__(handle, request, retries, call_suffix)
+        self._receiver = receiver
+        self._queue = receiver.register(request.request_id)
+
+    def _remote(self) -> Any:
+        return self._handle.options(stream=True).generate_muxed.remote(self.request, self._receiver.address)
+
+    async def _watch_call(self) -> None:
+        try:
+            async for chunk in self._response:  # normally none: the call just ends with the request
+                self._queue.put_nowait(chunk)
+        except Exception as exc:  # noqa: BLE001 - handed to the reader, which raises it
+            self._queue.put_nowait(exc)
+
+    async def rest(self) -> AsyncIterator[GenerationChunk]:
+        if not self.finished:
+            self._receiver.keep(asyncio.ensure_future(self._watch_call()))
+        while not self.finished:
+            item = await self._queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            yield self._check(item)
+
+    def close(self) -> None:
+        super().close()
+        self._receiver.unregister(self.request.request_id)
 
 
 async def start_all(streams: list[ChoiceStream]) -> list[GenerationChunk]:

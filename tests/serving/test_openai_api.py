@@ -1,6 +1,7 @@
 """The OpenAI-compatible API through a real Ray Serve deployment (2 LLMServer replicas), driven by the
 official `openai` client and raw HTTP: completions and chat, streamed and not, usage, stop/seed/n,
-concurrent streams, greedy output == the offline `LLM`, client disconnects, no authentication."""
+concurrent streams, greedy output == the offline `LLM`, client disconnects, no authentication; with and
+without stream multiplexing."""
 
 from __future__ import annotations
 
@@ -30,9 +31,11 @@ TEXT_PROMPTS = ["Once upon a time", "The three primary colors are"]
 MAX_TOKENS = 20
 
 
-@pytest.fixture(scope="module")
-def app(ray_cluster, model_dir):
-    with serve_app(ray_cluster, app_args(num_replicas=2)) as served:
+@pytest.fixture(scope="module", params=[False, True], ids=["per-stream", "multiplexed"])
+def app(request, ray_cluster, model_dir):
+    """Every test runs with each replica's streams sent one Serve item per delta, and multiplexed
+    (serving.stream_mux: one message per flush per ingress, the admission chunk on the call)."""
+    with serve_app(ray_cluster, app_args(num_replicas=2, stream_multiplexing=request.param)) as served:
         yield served
 
 
