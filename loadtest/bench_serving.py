@@ -24,6 +24,7 @@ import argparse
 import asyncio
 import contextlib
 import datetime as dt
+import itertools
 import json
 import os
 import platform
@@ -151,7 +152,7 @@ class ServeTarget:
 
 
 PROCESS_GROUPS = (("LLMServer", "LLMServer replicas"), ("OpenAIIngress", "ingress"), ("ProxyActor", "HTTP proxy"),
-                  ("ServeController", "Serve controller"))
+                  ("ServeController", "Serve controller"), ("DeltaInlet", "stream inlet"))
 
 
 def _serve_processes() -> dict[str, list[psutil.Process]]:
@@ -236,17 +237,19 @@ def run_variant(direct: DirectTarget, serve_args: dict[str, Any], opts, vocab: i
             for target in order:
                 run["ttft"][target.name] = LOOP.run_until_complete(measure_ttft(target, ttft_prompts))
             for concurrency in opts.concurrency:
-                prompts = random_prompts(concurrency, opts.prompt_len, vocab, seed=100 + concurrency)
+                # new prompts every repeat: a repeat must not be served from the prefix cache its predecessor filled
+                prompts = random_prompts(concurrency, opts.prompt_len, vocab, seed=100 + concurrency + 1000 * repeat)
                 for target in order:
                     run["throughput"].setdefault(str(concurrency), {})[target.name] = LOOP.run_until_complete(
                         measure_throughput(target, prompts, opts.output_len))
-            print(f"[bench-serving] replicas={serve_args['num_replicas']} repeat {repeat}: "
+            print(f"[bench-serving] replicas={serve_args['num_replicas']} multiplexed={serve_args.get('stream_multiplexing')} "
+                  f"repeat {repeat}: "
                   f"{json.dumps(run, default=lambda x: round(x, 4))}", flush=True)
             runs.append(run)
     finally:
         serve_target.close()
-    return {"replicas": serve_args["num_replicas"], "serve_startup_s": serve_target.startup_s, "runs": runs,
-            "summary": summarize(runs, opts.concurrency)}
+    return {"replicas": serve_args["num_replicas"], "multiplexed": bool(serve_args.get("stream_multiplexing")),
+            "serve_startup_s": serve_target.startup_s, "runs": runs, "summary": summarize(runs, opts.concurrency)}
 
 
 def summarize(runs: list[dict[str, Any]], concurrency: list[int]) -> dict[str, Any]:
@@ -285,7 +288,8 @@ def write_report(results: dict[str, Any], out_dir: Path) -> None:
         "",
         f"    {results['command']}",
         "",
-        f"Serve environment: `{json.dumps(results.get('serve_env', {}))}`.",
+        f"Serve environment: `{json.dumps(results.get('serve_env', {}))}`; the `direct` profile adds "
+        f"`{json.dumps(_direct_env(results))}` (ports chosen per run).",
         "",
         f"Machine: {results['machine']}. Load average at start: {results['loadavg_start']}, at end: {results['loadavg_end']} "
         "(other work shared the machine: compare the paired ratios, not absolute numbers across runs).",
@@ -304,8 +308,9 @@ def write_report(results: dict[str, Any], out_dir: Path) -> None:
     for v in results["variants"]:
         s = v["summary"]
         threads = v.get("torch_threads_per_replica", "?")
-        lines += [f"## Serve with {v['replicas']} LLMServer replica(s), {threads} torch thread(s) each "
-                  f"(direct engine: {results.get('direct_torch_threads', '?')}; app ready in {v['serve_startup_s']:.1f} s)", "",
+        lines += [f"## Serve with {v['replicas']} LLMServer replica(s), {threads} torch thread(s) each, "
+                  f"{_streams_label(v)} (direct engine: {results.get('direct_torch_threads', '?')}; "
+                  f"app ready in {v['serve_startup_s']:.1f} s)", "",
                   "| measurement | direct engine | through Ray Serve | Serve − / ÷ direct |", "|---|---|---|---|",
                   f"| TTFT p50 at low load (ms) | {fmt(s['ttft']['direct'], 1000)} | {fmt(s['ttft']['serve'], 1000)} | "
                   f"+{fmt(s['ttft']['overhead_ms'])} ms |",
@@ -356,14 +361,13 @@ def anchor_lines(results: dict[str, Any]) -> list[str]:
         served = rate(name)
         ratio = f"× {served['median'] / offline['median']:.2f}" if served and offline else "–"
         lines.append(f"| {label} | {fmt(offline) if offline else '–'} | {fmt(served) if served else '–'} | {ratio} |")
-    ours = next((v for v in results["variants"] if v["replicas"] == 1), None)
-    if ours and str(c) in ours["summary"]["throughput"]:
+    for ours in (v for v in results["variants"] if v["replicas"] == 1 and str(c) in v["summary"]["throughput"]):
         t = ours["summary"]["throughput"][str(c)]
         ratio = f"× {t['serve']['median'] / native_offline['median']:.2f}" if native_offline else "–"
-        lines.append(f"| ours through Ray Serve (1 replica; vs our offline `LLM`) | {fmt(native_offline) if native_offline else '–'} "
-                     f"| {fmt(t['serve'])} | {ratio} |")
-        lines.append(f"| ours through Ray Serve (vs the async engine in-process, as above) | {fmt(t['direct'])} | {fmt(t['serve'])} "
-                     f"| × {fmt(t['serve_over_direct'], digits=2)} |")
+        lines.append(f"| ours through Ray Serve (1 replica, {_streams_label(ours)}; vs our offline `LLM`) | "
+                     f"{fmt(native_offline) if native_offline else '–'} | {fmt(t['serve'])} | {ratio} |")
+        lines.append(f"| ours through Ray Serve (1 replica, {_streams_label(ours)}; vs the async engine in-process, as above) | "
+                     f"{fmt(t['direct'])} | {fmt(t['serve'])} | × {fmt(t['serve_over_direct'], digits=2)} |")
     errors = [f"- {name}: not measured ({entry['error']})" for name, entry in anchors.items() if "error" in entry]
     return lines + [""] + errors + ([""] if errors else [])
 
@@ -384,7 +388,7 @@ def summary_lines(results: dict[str, Any]) -> list[str]:
             replica = serve_cpu["LLMServer replicas"]["median"]
             direct = t["direct_cpu_ms_per_token"]["total"]["median"]
             lines.append(
-                f"- {v['replicas']} replica(s), {c} streams: the serving processes (proxy, ingress, controller, Ray core) "
+                f"- {v['replicas']} replica(s), {_streams_label(v)}, {c} streams: the serving processes (proxy, ingress, controller, Ray core) "
                 f"spend {layer:.2f} ms CPU per output token; the replica(s) spend {replica:.2f} ms against "
                 f"{direct:.2f} ms for the engine called directly ({100 * (replica / direct - 1):+.0f}%).")
     lines += ["", "Every generated token crosses two Ray streaming hops (replica → ingress → proxy) and one SSE write; "
@@ -395,6 +399,16 @@ def summary_lines(results: dict[str, Any]) -> list[str]:
               "`stream_batch_interval_s` (gpu.yaml: 50 ms) merges a stream's tokens into fewer items when engine steps "
               "are faster than the interval (GPUs); CPU steps here are slower, so it is off in local.yaml.", ""]
     return lines
+
+
+def _direct_env(results: dict[str, Any]) -> dict[str, str]:
+    envs = {**results.get("null", {}).get("profile_env", {}), **results.get("real_profile_env", {})}
+    return {k: v for k, v in envs.get("direct", {}).items() if "PORT" not in k}
+
+
+def _streams_label(variant: dict[str, Any]) -> str:
+    hops = "direct ingress + Serve throughput mode" if variant.get("profile") == "direct" else "through the proxy"
+    return hops + (", streams multiplexed" if variant.get("multiplexed") else ", one Serve item per delta")
 
 
 def _groups(summary: dict[str, Any]) -> list[str]:
@@ -418,12 +432,15 @@ def main() -> None:
     null.add_argument("--null-output-lens", type=int, nargs="+", default=[128, 512])
     null.add_argument("--null-ingress", type=int, nargs="+", default=[1, 2], help="ingress replica counts")
     null.add_argument("--null-batch", type=float, nargs="+", default=[0.0, 0.05], help="stream_batch_interval_s values")
+    null.add_argument("--null-mux", nargs="+", default=["off", "on"], choices=("off", "on"), help="stream_multiplexing values")
     null.add_argument("--null-step-time", type=float, default=0.02, help="null engine step time (s)")
     null.add_argument("--null-max-num-seqs", type=int, default=256)
     null.add_argument("--null-repeats", type=int, default=2)
     null.add_argument("--null-profiles", nargs="+", default=list(serving_path.PROFILES), choices=serving_path.PROFILES,
                       help="default: through the HTTP proxy; direct: Serve's throughput settings + direct ingress")
-    parser.add_argument("--real-profile", default="default", choices=serving_path.PROFILES,
+    parser.add_argument("--real-mux", nargs="+", default=["off", "on"], choices=("off", "on"),
+                        help="stream_multiplexing values for the real engine")
+    parser.add_argument("--real-profiles", nargs="+", default=list(serving_path.PROFILES), choices=serving_path.PROFILES,
                         help="how the real engine is served (as --null-profiles)")
     parser.add_argument("--anchors", nargs="*", default=list(serving_anchors.ANCHORS), choices=serving_anchors.ANCHORS,
                         help="other stacks' serving cost on the same workload (default: all; vLLM ones need "
@@ -494,15 +511,24 @@ def main() -> None:
                     os.environ.clear()
                     os.environ.update(saved)
         if not opts.skip_real:
-            results["real_profile"] = opts.real_profile
-            results["serve_env"].update(serving_path.profile_env(opts.real_profile))
-            os.environ.update(results["serve_env"])
             direct = DirectTarget(args["model"], engine_kwargs)
             try:
-                for replicas, n_threads in zip(opts.replicas, opts.replica_threads, strict=True):
-                    variant = run_variant(direct, {**args, "num_replicas": replicas, "torch_num_threads": n_threads}, opts, vocab)
-                    variant["torch_threads_per_replica"] = n_threads or os.cpu_count()
-                    results["variants"].append(variant)
+                for profile in opts.real_profiles:  # each in its own Ray instance, as above
+                    results["real_profile_env"] = {**results.get("real_profile_env", {}), profile: serving_path.profile_env(profile)}
+                    saved = dict(os.environ)
+                    os.environ.update(results["real_profile_env"][profile])
+                    try:
+                        for (replicas, n_threads), mux in itertools.product(
+                                zip(opts.replicas, opts.replica_threads, strict=True), opts.real_mux):
+                            variant = run_variant(direct, {**args, "num_replicas": replicas, "torch_num_threads": n_threads,
+                                                           "stream_multiplexing": mux == "on"}, opts, vocab)
+                            variant["torch_threads_per_replica"] = n_threads or os.cpu_count()
+                            variant["profile"] = profile
+                            results["variants"].append(variant)
+                    finally:
+                        _stop_ray()
+                        os.environ.clear()
+                        os.environ.update(saved)
             finally:
                 direct.close()
         _stop_ray()

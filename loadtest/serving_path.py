@@ -17,6 +17,7 @@ own cost stays small and is counted apart. Measured per point:
 from __future__ import annotations
 
 import asyncio
+import itertools
 import statistics
 import time
 from dataclasses import dataclass
@@ -36,12 +37,13 @@ class PathVariant:
     ingress_replicas: int
     batch_interval_s: float
     profile: str = "default"  # "direct": Serve's throughput settings + direct ingress (see PROFILES)
+    multiplexed: bool = False  # stream_multiplexing
 
     @property
     def label(self) -> str:
         batching = f"batching {1000 * self.batch_interval_s:.0f} ms" if self.batch_interval_s else "batching off"
         hops = "direct ingress + Serve throughput mode" if self.profile == "direct" else "proxy"
-        return f"{self.ingress_replicas} ingress, {batching}, {hops}"
+        return f"{self.ingress_replicas} ingress, {batching}, {hops}" + (", multiplexed" if self.multiplexed else "")
 
 
 def null_app_args(model: str, variant: PathVariant, step_time_s: float, max_num_seqs: int) -> dict[str, Any]:
@@ -52,8 +54,8 @@ def null_app_args(model: str, variant: PathVariant, step_time_s: float, max_num_
         "num_replicas": 1, "num_cpus_per_replica": 0, "max_ongoing_requests": 2 * max_num_seqs,
         "max_queued_requests": 4 * max_num_seqs, "ingress_num_replicas": variant.ingress_replicas,
         "ingress_num_cpus": 0, "ingress_max_ongoing_requests": 4 * max_num_seqs,
-        "stream_batch_interval_s": variant.batch_interval_s, "request_routing_stats_period_s": 0.5,
-        "api_key_env": "",
+        "stream_batch_interval_s": variant.batch_interval_s, "stream_multiplexing": variant.multiplexed,
+        "request_routing_stats_period_s": 0.5, "api_key_env": "",
     }
 
 
@@ -151,26 +153,26 @@ def run_null_sweep(make_target, run, model: str, prompts_for, opts, log, profile
     `run(coroutine)` runs a measurement on the client's event loop, `prompts_for(n)` makes n prompts.
     Direct ingress measures one ingress replica (the client talks to one replica's port)."""
     out = []
-    for ingress in ([1] if profile == "direct" else opts.null_ingress):
-        for interval in opts.null_batch:
-            variant = PathVariant(ingress, interval, profile)
-            target = make_target(null_app_args(model, variant, opts.null_step_time, opts.null_max_num_seqs))
-            points = []
-            try:
-                run(measure_point(target, prompts_for(8), 16))  # warm-up
-                for streams in opts.null_streams:
-                    for output_len in opts.null_output_lens:
-                        for repeat in range(opts.null_repeats):
-                            point = run(measure_point(target, prompts_for(streams), output_len))
-                            point["repeat"] = repeat
-                            log(f"[bench-serving] null engine, {variant.label}, {streams} streams × {output_len} tokens: "
-                                f"{point['output_tok_s']:.0f} tok/s, serving CPU {point['serving_cpu_ms_per_token']:.3f} ms/token, "
-                                f"ITL p99 {1000 * point['itl_p99_s']:.0f} ms")
-                            points.append(point)
-            finally:
-                target.close()
-            out.append({"ingress_replicas": ingress, "batch_interval_s": interval, "label": variant.label, "profile": profile,
-                        "startup_s": target.startup_s, "points": points})
+    for ingress, interval, mux in itertools.product([1] if profile == "direct" else opts.null_ingress, opts.null_batch,
+                                                    opts.null_mux):
+        variant = PathVariant(ingress, interval, profile, mux == "on")
+        target = make_target(null_app_args(model, variant, opts.null_step_time, opts.null_max_num_seqs))
+        points = []
+        try:
+            run(measure_point(target, prompts_for(8), 16))  # warm-up
+            for streams in opts.null_streams:
+                for output_len in opts.null_output_lens:
+                    for repeat in range(opts.null_repeats):
+                        point = run(measure_point(target, prompts_for(streams), output_len))
+                        point["repeat"] = repeat
+                        log(f"[bench-serving] null engine, {variant.label}, {streams} streams × {output_len} tokens: "
+                            f"{point['output_tok_s']:.0f} tok/s, serving CPU {point['serving_cpu_ms_per_token']:.3f} ms/token, "
+                            f"ITL p99 {1000 * point['itl_p99_s']:.0f} ms")
+                        points.append(point)
+        finally:
+            target.close()
+        out.append({"ingress_replicas": ingress, "batch_interval_s": interval, "label": variant.label, "profile": profile,
+                    "multiplexed": variant.multiplexed, "startup_s": target.startup_s, "points": points})
     return out
 
 
@@ -179,8 +181,8 @@ def engine_rate(streams: int, step_time_s: float, max_num_seqs: int) -> float:
     return min(streams, max_num_seqs) / step_time_s
 
 
-GROUP_ORDER = ("HTTP proxy", "ingress", "LLMServer replicas", "Ray core (raylet, GCS, ...)", "Serve controller",
-               "null engine thread", "client")
+GROUP_ORDER = ("HTTP proxy", "ingress", "stream inlet", "LLMServer replicas", "Ray core (raylet, GCS, ...)",
+               "Serve controller", "null engine thread", "client")
 
 
 def report_lines(results: dict[str, Any]) -> list[str]:
