@@ -113,15 +113,18 @@ class MuxSender:
         self._dirty.pop(request_id, None)
 
     def _schedule(self, deadline: float | None) -> None:
-        if deadline is None or (self._flush_at is not None and self._flush_at <= deadline):
+        if deadline is None:
             return
+        now = self._clock()
+        at = max(deadline, now)
+        if self._flush_at is not None and self._flush_at <= at:
+            return  # an earlier flush takes this delta too
         if self._handle is not None:
             self._handle.cancel()
+        self._flush_at = at
         loop = asyncio.get_running_loop()
-        now = self._clock()
-        self._flush_at = max(deadline, now)
         # due now: after the deltas already queued on the loop (the rest of the engine step) are added
-        self._handle = loop.call_soon(self.flush) if deadline <= now else loop.call_later(deadline - now, self.flush)
+        self._handle = loop.call_soon(self.flush) if at <= now else loop.call_later(at - now, self.flush)
 
     def flush(self) -> None:
         """Push every pending delta now."""

@@ -27,7 +27,8 @@ NUM_TRIES = 6
 
 @pytest.fixture(scope="module")
 def app(ray_cluster, model_dir):
-    args = app_args(num_replicas=1, ingress_num_replicas=2, api_key_env=API_KEY_ENV,
+    # two ingress replicas with multiplexed streams: each ingress reads its own inlet
+    args = app_args(num_replicas=1, ingress_num_replicas=2, api_key_env=API_KEY_ENV, stream_multiplexing=True,
                     engine={"num_blocks": 64, "max_num_seqs": 4})
     with serve_app(ray_cluster, args, route_prefix=PREFIX) as served:
         yield served

@@ -4,7 +4,8 @@
 - kill one replica's *engine loop* (injected through the stat-logger hook): its requests fail with
   an engine error, its `check_health` fails so Serve replaces it, the other replica keeps serving;
 - hang one replica's engine step (thread alive, no step finishes): its health check fails after
-  `engine_stall_timeout_s`, Serve replaces it, its clients get an error, the other keeps serving."""
+  `engine_stall_timeout_s`, Serve replaces it, its clients get an error, the other keeps serving.
+Each with and without stream multiplexing (there the deltas travel apart from the failing call)."""
 
 from __future__ import annotations
 
@@ -40,10 +41,10 @@ MAX_TOKENS = 48
 STALL_TIMEOUT_S = 8.0
 
 
-@pytest.fixture(scope="module")
-def app(ray_cluster, model_dir):
+@pytest.fixture(scope="module", params=[False, True], ids=["per-stream", "multiplexed"])
+def app(request, ray_cluster, model_dir):
     args = app_args(num_replicas=2, max_ongoing_requests=16, health_check_period_s=1.0,
-                    engine_stall_timeout_s=STALL_TIMEOUT_S, drain_timeout_s=3.0,
+                    engine_stall_timeout_s=STALL_TIMEOUT_S, drain_timeout_s=3.0, stream_multiplexing=request.param,
                     stat_logger_factories=["tests.serving.faults:make_fault_logger"])
     trigger = Path(os.environ[FAULT_FILE_ENV])
     trigger.unlink(missing_ok=True)
