@@ -5,6 +5,8 @@
   engine on the first item), backpressure and an unavailable replica surface *before* the HTTP status
   is sent, and a stream's headers need not wait for the first token. A replica (or its engine) that dies
   before the first chunk is retried on another replica (`retries` times): nothing reached the client.
+- `MuxedChoiceStream` is the same stream with `stream_multiplexing`: the first chunk comes on the
+  replica call, the rest through the ingress's inlet (`serving.stream_mux`).
 - `ChoicePump` drains the remaining chunks of every choice in one background task into a queue, so
   the HTTP handler can wait on it with a deadline (cancelling a queue read is always safe) and a
   client disconnect or a timeout cancels the pump, which cancels the replica calls, which aborts the
