@@ -73,11 +73,13 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    kv_written: bool = False,
 ) -> torch.Tensor:
-    """Returns [T, H, D]."""
+    """Returns [T, H, D]. `kv_written`: k and v are in their cache slots already (a fused op put them there)."""
     if meta.impl is not None:
         return meta.impl(q, k, v, k_cache, v_cache, meta.step, scale)
-    write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    if not kv_written:
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     group = num_heads // num_kv_heads

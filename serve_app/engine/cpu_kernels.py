@@ -8,8 +8,10 @@
   rounding.
 - `add_rms_norm_bf16` (csrc/fused_ops.cpp): residual add + RMSNorm in one pass (the residual
   updated in place), bit-identical to the pair it replaces.
+- `rope_write_kv_bf16` (csrc/rope_kv.cpp): RoPE on a layer's q and k heads in place and the k/v rows
+  written to their cache slots, one pass per token, bit-identical to the torch ops it replaces.
 
-`paged_decode_kernel()` / `rms_norm_bf16_op()` / `add_rms_norm_bf16_op()` return the op, or None (with a warning, once) when the
+`paged_decode_kernel()` / `rms_norm_bf16_op()` / `add_rms_norm_bf16_op()` / `rope_write_kv_bf16_op()` return the op, or None (with a warning, once) when the
 extension cannot be built; callers then use the torch path. `python -m serve_app.engine.cpu_kernels`
 builds it ahead of time (make install does).
 """
@@ -68,6 +70,11 @@ def rms_norm_bf16_op():
 def add_rms_norm_bf16_op():
     ext = _extension()
     return None if ext is None else ext.add_rms_norm_bf16
+
+
+def rope_write_kv_bf16_op():
+    ext = _extension()
+    return None if ext is None else ext.rope_write_kv_bf16
 
 
 if __name__ == "__main__":

@@ -5,9 +5,13 @@ void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, tor
                   torch::Tensor block_tables, torch::Tensor context_lens, double scale);
 torch::Tensor rms_norm_bf16(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor add_rms_norm_bf16(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
+void rope_write_kv_bf16(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
+                        torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slot_mapping, int64_t num_heads,
+                        int64_t num_kv_heads);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention (CPU)");
   m.def("rms_norm_bf16", &rms_norm_bf16, "RMSNorm, bf16 in and out, HF's rounding (CPU)");
   m.def("add_rms_norm_bf16", &add_rms_norm_bf16, "residual += x (in place), then RMSNorm of it (bf16, CPU)");
+  m.def("rope_write_kv_bf16", &rope_write_kv_bf16, "RoPE on q/k in place + k/v rows to their cache slots (bf16, CPU)");
 }

@@ -144,6 +144,7 @@ class LlamaForCausalLM(nn.Module):
         self._lm_head_packed: torch.Tensor | None = None
         self._rms_norm_op = None  # (x, weight, eps) -> normed, replacing F.rms_norm (bf16 CPU op)
         self._add_rms_norm_op = None  # (x, residual, weight, eps) -> normed, residual += x in place (bf16 CPU op)
+        self._rope_write_kv_op = None  # RoPE on q/k in place + k/v to the cache (bf16 CPU op, csrc/rope_kv.cpp)
 
     def use_rms_norm_op(self, op) -> None:
         """Normalize with `op(x, weight, eps)` (e.g. the C++ bf16 CPU op) instead of F.rms_norm."""
@@ -153,6 +154,12 @@ class LlamaForCausalLM(nn.Module):
         """Add to the residual and normalize with `op(x, residual, weight, eps)` (the C++ bf16 CPU op,
         which updates `residual` in place); same results as the add and the norm apart."""
         self._add_rms_norm_op = op
+
+    def use_rope_write_kv_op(self, op) -> None:
+        """Rotate q/k and write k/v to the cache with `op` (the C++ bf16 CPU op) instead of torch's
+        gather, roll, elementwise ops and index_copy_; bit-identical. Only for steps whose attention
+        has no whole-step implementation (`AttentionMetadata.impl`), which writes the cache itself."""
+        self._rope_write_kv_op = op
 
     def _add_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(residual + x), residual + x); the fused op updates `residual` in place."""
@@ -209,8 +216,10 @@ class LlamaForCausalLM(nn.Module):
         a = self.args
         num_tokens = input_ids.shape[0]
         q_size, kv_size = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
-        cos = self._cos[positions].unsqueeze(1)  # [T, 1, D]
-        sin = self._sin[positions].unsqueeze(1)
+        fused_rope = self._rope_write_kv_op is not None and meta.impl is None
+        if not fused_rope:
+            cos = self._cos[positions].unsqueeze(1)  # [T, 1, D]
+            sin = self._sin[positions].unsqueeze(1)
         hidden = F.embedding(input_ids, self.embed)  # [T, hidden]
         residual = None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
@@ -219,11 +228,16 @@ class LlamaForCausalLM(nn.Module):
             else:  # the previous layer's MLP output joins the residual stream here
                 x, residual = self._add_norm(hidden, residual, layer.input_norm)
             qkv = self._linear(x, layer.qkv, layer.qkv_bias)  # [T, q + 2 kv]
-            # q and k heads rotate together (one set of ops for both)
-            qk = self._rope(qkv[:, : q_size + kv_size].view(num_tokens, a.num_heads + a.num_kv_heads, a.head_dim), cos, sin)
-            q, k = qk[:, : a.num_heads], qk[:, a.num_heads :]
+            if fused_rope:  # q and k rotated in place, k and v already in the cache
+                self._rope_write_kv_op(qkv, positions, self._cos, self._sin, k_cache, v_cache, meta.slot_mapping,
+                                       a.num_heads, a.num_kv_heads)
+                heads = qkv.view(num_tokens, a.num_heads + 2 * a.num_kv_heads, a.head_dim)
+                q, k = heads[:, : a.num_heads], heads[:, a.num_heads : a.num_heads + a.num_kv_heads]
+            else:  # q and k heads rotate together (one set of ops for both)
+                qk = self._rope(qkv[:, : q_size + kv_size].view(num_tokens, a.num_heads + a.num_kv_heads, a.head_dim), cos, sin)
+                q, k = qk[:, : a.num_heads], qk[:, a.num_heads :]
             v = qkv[:, q_size + kv_size :].view(num_tokens, a.num_kv_heads, a.head_dim)
-            attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)  # [T, H, D]
+            attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, kv_written=fused_rope)  # [T, H, D]
             x, residual = self._add_norm(self._linear(attn.view(num_tokens, q_size), layer.o), residual, layer.post_norm)
             gate, up = self._linear(x, layer.gate_up).chunk(2, dim=-1)
             hidden = self._linear(F.silu(gate) * up, layer.down)
