@@ -92,6 +92,7 @@ def main() -> int:
     model = runner.model
     fused_op = labeled("cpp::add_rms_norm", model._add_rms_norm_op)
     model._rms_norm_op = labeled("cpp::rms_norm", model._rms_norm_op)
+    model._rope_write_kv_op = labeled("cpp::rope_write_kv", model._rope_write_kv_op)
     runner.decode_kernel = labeled("cpp::paged_decode", runner.decode_kernel)
     shapes = {"decode": decode_batch(decode_b, 192, 16), "prefill": prefill_batch(prefill_n, 128, 16, decode_b * 12)}
     result = {"command": " ".join(["python", "loadtest/profile_step.py", *sys.argv[1:]]), "threads": torch.get_num_threads(),

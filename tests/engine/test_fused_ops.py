@@ -1,5 +1,6 @@
-"""The fused bf16 CPU residual add + RMSNorm (csrc/fused_ops.cpp) against the pair it replaces, and
-the model with it against the model without it."""
+"""The fused bf16 CPU ops (csrc/fused_ops.cpp: residual add + RMSNorm; csrc/rope_kv.cpp: RoPE + K/V
+write) against the torch ops they replace, bit for bit, and the real model with each against the
+model without it."""
 
 from __future__ import annotations
 
@@ -27,16 +28,17 @@ def test_add_rms_norm_matches_add_then_norm():
     torch.testing.assert_close(out, expected, atol=0, rtol=2**-7)  # and HF's formula within a bf16 ulp
 
 
-def test_model_with_fused_ops_matches_model_without(model_dir, prompt_ids):
-    """bf16, real model: greedy tokens with the fused op equal those without it."""
+@pytest.mark.parametrize("attr", ["_add_rms_norm_op", "_rope_write_kv_op"])
+def test_model_with_each_fused_op_matches_model_without(model_dir, prompt_ids, attr):
+    """bf16, real model: greedy tokens with the fused op equal those with the torch ops it replaces."""
     from serve_app.engine import LLM, SamplingParams
 
     llm = LLM(model_dir, dtype="bfloat16", kv_cache_memory_gib=0.1, max_num_batched_tokens=48)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     model = llm.engine.core.model_runner.model
-    assert model._add_rms_norm_op is not None
+    assert getattr(model, attr) is not None
     fused = [list(o.token_ids) for o in llm.generate(prompt_ids[:4], params)]
-    model.use_add_rms_norm_op(None)
+    setattr(model, attr, None)
     llm.reset_prefix_cache()
     unfused = [list(o.token_ids) for o in llm.generate(prompt_ids[:4], params)]
     assert fused == unfused
@@ -73,17 +75,3 @@ def test_rope_write_kv_matches_the_torch_ops(head_dim):
     assert torch.equal(fused[:, split:], qkv[:, split:])  # v untouched
     assert torch.equal(caches[2], caches[0]) and torch.equal(caches[3], caches[1])
 
-
-def test_model_with_fused_rope_matches_model_without(model_dir, prompt_ids):
-    """bf16, real model: greedy tokens with the fused RoPE + K/V write equal those without it."""
-    from serve_app.engine import LLM, SamplingParams
-
-    llm = LLM(model_dir, dtype="bfloat16", kv_cache_memory_gib=0.1, max_num_batched_tokens=48)
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    model = llm.engine.core.model_runner.model
-    assert model._rope_write_kv_op is not None
-    fused = [list(o.token_ids) for o in llm.generate(prompt_ids[:4], params)]
-    model.use_rope_write_kv_op(None)
-    llm.reset_prefix_cache()
-    unfused = [list(o.token_ids) for o in llm.generate(prompt_ids[:4], params)]
-    assert fused == unfused
