@@ -124,3 +124,19 @@ def test_inlet_streams_pushes_in_order():
         return first, second, await waiting
 
     assert asyncio.run(main()) == ([b"1", b"2"], [b"3"], [b"4"])
+
+
+def test_an_inlet_stream_call_ends_after_its_items_and_the_next_gets_the_rest():
+    """The reader re-opens its call every so many items (Ray keeps state per item of a call); blobs
+    pushed meanwhile wait for the next call, none is lost or repeated."""
+
+    async def main():
+        inlet = DeltaInlet()
+        for i in range(3):
+            await inlet.push(bytes([i]))
+        first = [blobs async for blobs in inlet.stream(max_items=1)]
+        await inlet.push(b"late")
+        second = [blobs async for blobs in inlet.stream(max_items=1)]
+        return first, second
+
+    assert asyncio.run(main()) == ([[b"\x00", b"\x01", b"\x02"]], [[b"late"]])
