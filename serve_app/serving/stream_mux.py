@@ -101,7 +101,6 @@ class MuxSender:
         self._dirty: dict[str, None] = {}  # requests with pending deltas, in arrival order
         self._flush_at: float | None = None  # when the scheduled flush runs (None: none scheduled)
         self._handle: asyncio.Handle | None = None
-        self.num_pushes = 0
 
     @property
     def num_streams(self) -> int:
@@ -147,7 +146,6 @@ class MuxSender:
                 del self._batchers[request_id]
         self._dirty.clear()
         if items:
-            self.num_pushes += 1
             self._push(encode_batch(items))
 
 
