@@ -176,6 +176,20 @@ def _cpu(proc: psutil.Process) -> float:
         return 0.0
 
 
+@contextlib.contextmanager
+def _ray_environment(env: dict[str, str]):
+    """The Ray instance started inside runs with `env` (Serve reads it at process start); on the way
+    out Ray is stopped and this process's environment restored."""
+    saved = dict(os.environ)
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        _stop_ray()
+        os.environ.clear()
+        os.environ.update(saved)
+
+
 def _stop_ray() -> None:
     import ray
 
@@ -497,27 +511,19 @@ def main() -> None:
                              "prompt_len": opts.prompt_len, "repeats": opts.null_repeats},
                 "variants": [], "profile_env": {}}
             for profile in opts.null_profiles:  # each in its own Ray instance: Serve reads these at process start
-                env = serving_path.profile_env(profile)
-                results["null"]["profile_env"][profile] = env
-                saved = dict(os.environ)
-                os.environ.update(env)
-                try:
+                env = results["null"]["profile_env"][profile] = serving_path.profile_env(profile)
+                with _ray_environment(env):
                     results["null"]["variants"] += serving_path.run_null_sweep(
                         ServeTarget, LOOP.run_until_complete, args["model"],
                         lambda n: random_prompts(n, opts.prompt_len, vocab, seed=n), opts, lambda m: print(m, flush=True),
                         profile)
-                finally:
-                    _stop_ray()
-                    os.environ.clear()
-                    os.environ.update(saved)
         if not opts.skip_real:
+            results["real_profile_env"] = {}
             direct = DirectTarget(args["model"], engine_kwargs)
             try:
                 for profile in opts.real_profiles:  # each in its own Ray instance, as above
-                    results["real_profile_env"] = {**results.get("real_profile_env", {}), profile: serving_path.profile_env(profile)}
-                    saved = dict(os.environ)
-                    os.environ.update(results["real_profile_env"][profile])
-                    try:
+                    env = results["real_profile_env"][profile] = serving_path.profile_env(profile)
+                    with _ray_environment(env):
                         for (replicas, n_threads), mux in itertools.product(
                                 zip(opts.replicas, opts.replica_threads, strict=True), opts.real_mux):
                             variant = run_variant(direct, {**args, "num_replicas": replicas, "torch_num_threads": n_threads,
@@ -525,10 +531,6 @@ def main() -> None:
                             variant["torch_threads_per_replica"] = n_threads or os.cpu_count()
                             variant["profile"] = profile
                             results["variants"].append(variant)
-                    finally:
-                        _stop_ray()
-                        os.environ.clear()
-                        os.environ.update(saved)
             finally:
                 direct.close()
         _stop_ray()

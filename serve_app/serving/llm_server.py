@@ -160,16 +160,11 @@ class LLMServer:
                     async for out in outputs:
                         tally.add(len(out.token_ids), out.finish_reason)
                         sender.add(request.request_id, out)
-            except asyncio.CancelledError:
+            except BaseException as exc:  # cancelled (caller gone or the drain cut it) or failed: drop what is pending
                 sender.forget(request.request_id)
-                if request.request_id not in self._cut:
+                if not isinstance(exc, asyncio.CancelledError) or request.request_id not in self._cut:
                     raise
                 yield tally.cut(request)
-            except BaseException:
-                sender.forget(request.request_id)
-                raise
-            finally:
-                self._senders.release(inlet)
 
     @staticmethod
     def _arrived(request: GenerateRequest) -> GenerateRequest:

@@ -202,8 +202,6 @@ class MuxReceiver:
                             queue = self._queues.get(request_id)
                             if queue is not None:
                                 queue.put_nowait(chunk)
-            except asyncio.CancelledError:
-                raise
             except Exception as exc:  # noqa: BLE001 - the inlet failed: end its streams, start another
                 logger.exception("stream inlet failed; ending %d stream(s)", len(self._queues))
                 for queue in self._queues.values():
@@ -211,13 +209,10 @@ class MuxReceiver:
                 await asyncio.sleep(0.5)
                 self._spawn()
 
-    def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-
 
 class InletSenders:
-    """Replica side: the `MuxSender` of each ingress inlet this replica has streams for."""
+    """Replica side: the `MuxSender` of each ingress inlet this replica has had streams for (one per
+    ingress replica it has served: kept, so the inlet is looked up once, not on every burst)."""
 
     def __init__(self, interval_s: float) -> None:
         self._interval_s = interval_s
@@ -231,9 +226,3 @@ class InletSenders:
             inlet = ray.get_actor(address.name, namespace=address.namespace)
             sender = self._senders[address] = MuxSender(inlet.push.remote, self._interval_s)
         return sender
-
-    def release(self, address: InletAddress) -> None:
-        """Drop the inlet's sender once it has no stream (its ingress may be gone for good)."""
-        sender = self._senders.get(address)
-        if sender is not None and not sender.num_streams:
-            del self._senders[address]
