@@ -11,6 +11,9 @@ then each prompt chunk's tokens. Every layer writes the new K/V through `slot_ma
 
 On CPU the decode part runs a C++ kernel (`cpu_kernels.paged_decode`) that reads the blocks in place;
 elsewhere (and as the reference) it gathers the blocks and calls `scaled_dot_product_attention`.
+With the kernel, the model runner also hands it most prompt chunks as rows, one per token, each with
+its request's block table and its own causal context (`model_runner.kernel_rank`); only long fresh
+chunks stay on the prompt path below.
 A step may instead carry a whole-step implementation (`impl`: the Triton kernels or FlashInfer, on
 CUDA) that reads every sequence, decode or prompt chunk, in place through the step's block tables.
 """
@@ -39,7 +42,7 @@ class AttentionMetadata:
     """Built once per step by the model runner, shared by every layer."""
 
     slot_mapping: torch.Tensor  # [num_tokens] long
-    num_decodes: int
+    num_decodes: int  # rows attended through the block tables: decodes, verifications, kernel-path prompt rows
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] long (padded with 0)
     decode_context_lens: torch.Tensor | None  # [num_decodes] int
     decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool (reference path)

@@ -41,9 +41,25 @@ def kv_cache_bytes_per_block(args: LlamaArgs, block_size: int, dtype: torch.dtyp
     return 2 * args.num_layers * block_size * args.num_kv_heads * args.head_dim * torch.empty((), dtype=dtype).element_size()
 
 
+# A fresh prompt chunk up to this many tokens is attended by the CPU decode kernel, one row per token
+# over its causal context (its K/V are in the cache by then), instead of torch's SDPA: measured in
+# bf16 at SmolLM2's shapes, 16 prompts x 128 tokens 2.7x faster, 4 x 512 1.9x, 2 x 1,024 1.3x, one
+# of 2,048 0.92x. A chunk that continues a request (start_pos > 0) always goes to the kernel: the
+# torch path would gather its whole context and run a full masked attention.
+KERNEL_MAX_FRESH_CHUNK = 1024
+
+
 def is_decode(s: ScheduledRequest) -> bool:
     """A request reading one new token, or verifying proposed tokens after it (one decode row each)."""
     return s.num_tokens == 1 or bool(s.spec_token_ids)
+
+
+def kernel_rank(s: ScheduledRequest) -> int:
+    """Order of a step's requests on the decode-kernel path: decodes (0), then the prompt chunks the
+    kernel attends (1), then those torch's SDPA does (2), so each group is a contiguous run of rows."""
+    if is_decode(s):
+        return 0
+    return 1 if s.start_pos > 0 or s.num_tokens <= KERNEL_MAX_FRESH_CHUNK else 2
 
 
 class ModelRunner:
@@ -106,12 +122,13 @@ class ModelRunner:
         return torch.tensor(data, dtype=dtype, device=self.device)
 
     def prepare(self, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """Inputs for the decode-kernel / reference paths. `scheduled` must list decodes first
-        (`is_decode`). A verification (a decode with proposed tokens) runs as one decode row per
-        token, each over the context up to its own position: its K/V are all written before
-        attention, so that is exactly causal attention."""
+        """Inputs for the decode-kernel / reference paths. `scheduled` must be in `_order`. A
+        verification (a decode with proposed tokens), and with the kernel a prompt chunk, runs as one
+        kernel row per token, each over the context up to its own position: its K/V are all written
+        before attention, so that is exactly causal attention."""
         step = self.input_batch.build(scheduled)
-        b = next((i for i, s in enumerate(scheduled) if not is_decode(s)), len(scheduled))
+        on_kernel = (lambda s: kernel_rank(s) < 2) if self.decode_kernel is not None else is_decode
+        b = next((i for i, s in enumerate(scheduled) if not on_kernel(s)), len(scheduled))
         num_decode_rows = sum(s.num_tokens for s in scheduled[:b])
         block_tables = context_lens = mask = None
         if b:
@@ -119,7 +136,7 @@ class ModelRunner:
             if num_decode_rows == b:  # plain decodes: the persistent inputs as they are
                 block_tables = step.block_tables[:b, :max_blocks].to(torch.long, memory_format=torch.contiguous_format)
                 context_lens = step.seq_lens[:b]
-            else:  # verifications: one row per token, each with its request's table and its own context
+            else:  # verifications, prompt chunks: one row per token, each with its request's table and its own context
                 rows_per_seq = self._tensor([s.num_tokens for s in scheduled[:b]])
                 block_tables = step.block_tables[:b, :max_blocks].to(torch.long).repeat_interleave(rows_per_seq, dim=0)
                 context_lens = (step.positions[:num_decode_rows] + 1).to(step.seq_lens.dtype)
@@ -160,11 +177,16 @@ class ModelRunner:
                                  decode_mask=None, prefills=(), impl=self.varlen, step=step)
         return self.model(step.input_ids, step.positions, self.kv_caches, meta), None
 
+    def _order(self, scheduled: Sequence[ScheduledRequest]) -> list[ScheduledRequest]:
+        """A step's requests in row order (stable): decodes first; with the CPU decode kernel, the
+        prompt chunks it attends next (`kernel_rank`)."""
+        return sorted(scheduled, key=kernel_rank if self.decode_kernel is not None else lambda s: not is_decode(s))
+
     @torch.inference_mode()
     def sampling_logits(self, scheduled: Sequence[ScheduledRequest]) -> tuple[list[ScheduledRequest], torch.Tensor]:
         """Run one forward pass; return the requests that sample (decodes first) and the logits of
         their sampled positions ([rows, V]: 1 + len(spec_token_ids) consecutive rows per request)."""
-        scheduled = sorted(scheduled, key=lambda s: not is_decode(s))  # stable: decodes first
+        scheduled = self._order(scheduled)
         hidden, graph_logits = self._forward(scheduled)
         rows, samplers = [], []
         end = 0

@@ -93,6 +93,28 @@ def test_chunked_prefill(model_dir, prompt_ids, hf_reference):
     assert max(s.num_tokens for s in stats.steps) <= 24
 
 
+def test_prompt_chunks_on_both_attention_paths(model_dir, prompt_ids, hf_reference, monkeypatch):
+    """With the CPU decode kernel, short fresh prompt chunks and continuing ones are attended as kernel
+    rows and long fresh chunks by torch's SDPA; with the threshold lowered to 20 tokens, steps mix
+    decodes and chunks of both kinds, in the order the kernel needs, and tokens stay exact."""
+    from serve_app.engine import model_runner
+
+    monkeypatch.setattr(model_runner, "KERNEL_MAX_FRESH_CHUNK", 20)
+    ranks_seen = set()
+    original = model_runner.ModelRunner._order
+
+    def order(self, scheduled):
+        ordered = original(self, scheduled)
+        ranks = [model_runner.kernel_rank(s) for s in ordered]
+        assert ranks == sorted(ranks)
+        ranks_seen.update(ranks)
+        return ordered
+
+    monkeypatch.setattr(model_runner.ModelRunner, "_order", order)
+    assert run(model_dir, prompt_ids, max_num_batched_tokens=64, enable_prefix_caching=False)[0] == hf_reference
+    assert ranks_seen == {0, 1, 2}
+
+
 @pytest.mark.parametrize("batching", ["static", "dynamic", "continuous"])
 def test_batching_policies(model_dir, prompt_ids, hf_reference, batching):
     tokens, stats = run(model_dir, prompt_ids, batching=batching, batch_size=3, max_num_seqs=3, batch_timeout_s=0.0)
