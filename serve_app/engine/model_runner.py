@@ -97,6 +97,7 @@ class ModelRunner:
         ]
         self.kv_cache_bytes = per_block * self.num_blocks
         self.decode_kernel = cpu_kernels.paged_decode_kernel() if use_cpu_ops else None
+        self.argmax = cpu_kernels.argmax_rows_op() if use_cpu_ops else None
         self.generator = torch.Generator(device=self.device).manual_seed(model_config.seed)
         # triton / flashinfer: one implementation for every sequence of a step, over persistent inputs
         self.varlen = None
@@ -219,7 +220,7 @@ class ModelRunner:
         keys = [key for s in samplers for key in (s.generator_key, *s.spec_generator_keys)]
         processed = process_logits(logits, params, per_row([s.prompt_token_ids for s in samplers]),
                                    per_row([s.output_token_ids for s in samplers]), per_row([s.blocked_token_ids for s in samplers]))
-        token_ids = sample(processed, params, keys, self.generator)
+        token_ids = sample(processed, params, keys, self.generator, self.argmax)
         row_logprobs = ()
         if any(p.logprobs is not None for p in params):
             row_logprobs = tuple(sampled_logprobs(logits, token_ids, [p.logprobs for p in params]))

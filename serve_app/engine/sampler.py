@@ -7,7 +7,7 @@ index, so its samples do not depend on the batch it shares), else from the engin
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -75,9 +75,11 @@ def sample(
     params: Sequence[SamplingParams],
     generator_keys: Sequence[int | None],
     generator: torch.Generator,
+    argmax: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> list[int]:
-    """One next-token id per row."""
-    greedy_ids = logits.argmax(dim=-1)
+    """One next-token id per row. `argmax`: a faster equivalent of `argmax(dim=-1)` for contiguous
+    fp32 logits (the CPU op), used when given."""
+    greedy_ids = argmax(logits) if argmax is not None and logits.is_contiguous() else logits.argmax(dim=-1)
     if all(p.greedy for p in params):
         return greedy_ids.tolist()
     keys = [None if p.greedy else key for p, key in zip(params, generator_keys, strict=True)]
