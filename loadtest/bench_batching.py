@@ -31,6 +31,7 @@ import json
 import os
 import platform
 import shlex
+import statistics
 import subprocess
 import sys
 import time
@@ -41,7 +42,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from batching_report import write_reports  # noqa: E402
+from batching_report import fit_step_cost, write_reports  # noqa: E402
 from batching_trace import (  # noqa: E402
     RequestResult,
     StepRecord,
@@ -180,16 +181,27 @@ def run_policy(args: argparse.Namespace, spec: str, trace: list[TraceRequest]) -
 
 def calibrate(args: argparse.Namespace, trace: list[TraceRequest]) -> dict[str, Any]:
     """The machine's capacity on this trace's mix: continuous batching with its first
-    2 x `max_num_seqs` requests all arriving at once (a saturated engine); requests completed per
-    second of makespan. Replays then arrive at `--load` x that rate, so every policy meets a queue
-    and the comparison measures batching, not how fast the trace arrives on this machine."""
+    2 x `max_num_seqs` requests all arriving at once, its steps fitted by the step-cost model
+    (`batching_report.fit_step_cost`), and the rate an ideal batcher sustains at that cost (every
+    decode step full): 1 / (the trace's mean engine time per request). Replays then arrive at
+    `--load` x that rate, so every policy, continuous batching included, meets a growing queue and
+    the comparison measures batching, not how fast the trace arrives on this machine. (The burst's
+    own requests per second of makespan understate the capacity: its drain runs nearly empty steps.)"""
     n = min(len(trace), 2 * args.max_num_seqs)
     burst = [TraceRequest(r.index, 0.0, r.klass, r.prompt_token_ids, r.output_len) for r in trace[:n]]
     run = run_policy(args, "continuous", burst)
     s = run["summary"]
-    capacity = n / s["makespan_s"]
-    return {"requests": n, "makespan_s": s["makespan_s"], "capacity_req_s": capacity, "load": args.load,
-            "rate_req_s": args.load * capacity, "output_tok_s": s["output_tok_s"]}
+    fit = fit_step_cost(run["steps"])
+    if fit is None:
+        raise RuntimeError("calibration: too few distinct steps to fit the step cost")
+    fixed, per_decode, per_prompt, r2 = fit
+    mean_decodes = statistics.fmean(r.output_len - 1 for r in trace)
+    mean_prompt = statistics.fmean(r.prompt_len for r in trace)
+    per_request_s = mean_decodes * (fixed / args.max_num_seqs + per_decode) + mean_prompt * per_prompt
+    capacity = 1.0 / per_request_s
+    return {"requests": n, "makespan_s": s["makespan_s"], "burst_req_s": n / s["makespan_s"], "capacity_req_s": capacity,
+            "fit_ms": {"fixed": fixed * 1000, "per_decode": per_decode * 1000, "per_prompt": per_prompt * 1000, "r2": r2},
+            "load": args.load, "rate_req_s": args.load * capacity, "output_tok_s": s["output_tok_s"]}
 
 
 def machine_info() -> dict[str, Any]:
@@ -271,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
         log(f"calibrating: continuous batching, {min(args.num_requests, 2 * args.max_num_seqs)} of the trace's requests at once ...")
         calibration = calibrate(args, build_trace(1.0))
         args.rate = calibration["rate_req_s"]
-        log(f"capacity {calibration['capacity_req_s']:.2f} req/s ({calibration['output_tok_s']:.0f} output tok/s) -> "
+        log(f"capacity {calibration['capacity_req_s']:.2f} req/s at full steps (the burst itself: {calibration['burst_req_s']:.2f}) -> "
             f"arrivals at {args.load} x = {args.rate:.2f} req/s")
         gc.collect()
     trace = build_trace(args.rate)
@@ -290,7 +302,9 @@ def main(argv: list[str] | None = None) -> int:
             + ("" if s["complete"] else " (INCOMPLETE: timed out)"))
         gc.collect()
     results = {
-        "workload": {**workload, "rate_per_s": args.rate, "seed": args.seed, "quick": args.quick, "calibration": calibration},
+        "workload": {**workload, "rate_per_s": args.rate, "seed": args.seed, "quick": args.quick, "calibration": calibration,
+                     # (arrival s, prompt tokens, output tokens) per request: the makespan bound's input
+                     "requests": [[r.arrival_s, r.prompt_len, r.output_len] for r in trace]},
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "machine": machine_info(),
         "command": command_line(),

@@ -11,7 +11,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "loadtest"))
 
-from batching_report import decode_step_cost, step_cost_model, write_reports  # noqa: E402
+from batching_report import decode_step_cost, makespan_lower_bound, step_cost_model, write_reports  # noqa: E402
 from batching_trace import (  # noqa: E402
     DEFAULT_CLASSES,
     RequestResult,
@@ -176,5 +176,35 @@ def test_step_cost_model_recovers_costs_and_bounds_the_ratio():
     assert m["ideal_continuous"] == {"num_steps": 2, "busy_s": pytest.approx(ideal)}
     assert m["throughput_bound_vs_static"] == pytest.approx(0.2 / ideal)
     assert m["fixed_only_bound_vs_static"] == pytest.approx(5 / 2)
+    # with the trace's requests listed, the bound is the makespan one: here the chain of the 4-token
+    # request (1 prefill + 3 decode steps from t = 0) plus the per-token work of the other
+    results["workload"]["requests"] = [[0.0, 20, 4], [0.0, 10, 2]]
+    results["settings"]["max_num_batched_tokens"] = 64
+    m = step_cost_model(results)
+    chain = 4 * 0.020 + (3 + 1) * 0.002 + 30 * 0.0005
+    assert m["makespan_bound"]["bound_s"] == pytest.approx(chain) and m["makespan_bound"]["binding"] == "chain"
+    assert m["throughput_bound_vs_static"] == pytest.approx(0.2 / chain)
     results["policies"]["continuous"]["steps"] = results["policies"]["static"]["steps"] = [step(1, 0)] * 4
     assert step_cost_model(results) is None  # one distinct step shape: nothing to fit
+
+
+COST = {"fixed": 0.020, "per_decode": 0.002, "per_prompt": 0.0005}
+
+
+def test_makespan_bound_work_and_chains():
+    """(arrival, prompt, output) requests; cap 4 sequences per step, a 2,048-token budget."""
+    def bound(requests):
+        return makespan_lower_bound(requests, COST["fixed"], COST["per_decode"], COST["per_prompt"], 4, 2048)
+
+    # a burst of 8 requests with 2 decodes each: 4 full decode steps + every token's cost (the work bound)
+    b = bound([(0.0, 4, 3)] * 8)
+    assert b["binding"] == "work" and b["bound_s"] == pytest.approx(4 * 0.020 + 8 * (2 * 0.002 + 4 * 0.0005))
+    # one long request: its 1 + 9 steps in a row, each paying the fixed cost, plus its tokens (the chain bound)
+    b = bound([(0.0, 10, 10)])
+    assert b["binding"] == "chain" and b["bound_s"] == pytest.approx(10 * 0.020 + 9 * 0.002 + 10 * 0.0005)
+    # a late arrival: nothing of it runs before it arrives; the work of the first (0.007 s) fits before it
+    b = bound([(1.0, 10, 2), (6.0, 10, 2)])  # times are from the first arrival
+    assert b["work_bound_s"] == pytest.approx(5.0 + 0.020 + 0.007)
+    assert b["chain_bound_s"] == pytest.approx(5.0 + 2 * 0.020 + 0.007)
+    # a prompt longer than the step budget takes several steps
+    assert bound([(0.0, 5000, 1)])["chain_bound_s"] == pytest.approx(3 * 0.020 + 5000 * 0.0005)
