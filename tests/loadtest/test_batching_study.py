@@ -184,6 +184,9 @@ def test_step_cost_model_recovers_costs_and_bounds_the_ratio():
     chain = 4 * 0.020 + (3 + 1) * 0.002 + 30 * 0.0005
     assert m["makespan_bound"]["bound_s"] == pytest.approx(chain) and m["makespan_bound"]["binding"] == "chain"
     assert m["throughput_bound_vs_static"] == pytest.approx(0.2 / chain)
+    # each policy against the bound at the step costs of its own steps (continuous's 3 steps span only 2 shapes: no fit)
+    assert list(m["own_fits"]) == ["static"] and m["own_fits"]["static"]["fixed_ms"] == pytest.approx(20.0)
+    assert m["own_fits"]["static"]["share_of_bound"] == pytest.approx(chain / 0.2)
     results["policies"]["continuous"]["steps"] = results["policies"]["static"]["steps"] = [step(1, 0)] * 4
     assert step_cost_model(results) is None  # one distinct step shape: nothing to fit
 
