@@ -21,6 +21,7 @@ from serve_app.config import CacheConfig, ModelConfig, SchedulerConfig
 from serve_app.engine import cpu_kernels
 from serve_app.engine.attention import AttentionMetadata, PrefillChunk
 from serve_app.engine.attention_backends import make_varlen_attention, resolve_backend
+from serve_app.engine.host_memory import zeroed_cpu_tensors
 from serve_app.engine.input_batch import InputBatch
 from serve_app.engine.logprobs import sampled_logprobs
 from serve_app.engine.memory_profile import kv_cache_budget_bytes
@@ -79,6 +80,7 @@ class ModelRunner:
             self.model.use_rms_norm_op(cpu_kernels.rms_norm_bf16_op())
             self.model.use_add_rms_norm_op(cpu_kernels.add_rms_norm_bf16_op())
             self.model.use_rope_write_kv_op(cpu_kernels.rope_write_kv_bf16_op())
+            self.model.use_silu_mul_op(cpu_kernels.silu_mul_bf16_op())
         per_block = kv_cache_bytes_per_block(self.args, self.block_size, self.dtype)
         if cache_config.gpu_memory_utilization:
             if self.device.type != "cuda":
@@ -91,10 +93,14 @@ class ModelRunner:
         if self.num_blocks < 1:
             raise ValueError("kv_cache_memory_gib: too small for a single KV block")
         shape = (self.num_blocks, self.block_size, self.args.num_kv_heads, self.args.head_dim)
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(shape, dtype=self.dtype, device=self.device))
-            for _ in range(self.args.num_layers)
-        ]
+        if self.device.type == "cpu":  # on huge pages where Linux offers them (host_memory)
+            flat = zeroed_cpu_tensors(shape, self.dtype, 2 * self.args.num_layers)
+            self.kv_caches = list(zip(flat[0::2], flat[1::2], strict=True))
+        else:
+            self.kv_caches = [
+                (torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(shape, dtype=self.dtype, device=self.device))
+                for _ in range(self.args.num_layers)
+            ]
         self.kv_cache_bytes = per_block * self.num_blocks
         self.decode_kernel = cpu_kernels.paged_decode_kernel() if use_cpu_ops else None
         self.argmax = cpu_kernels.argmax_rows_op() if use_cpu_ops else None

@@ -4,9 +4,7 @@
 // add_rms_norm_bf16(x, residual, weight, eps) -> normed: residual <- bf16(residual + x) in place,
 // normed = RMSNorm(residual) with HF's rounding (as rms_norm_bf16).
 //
-// A scalar SiLU-and-mul was fused here too and measured slower than torch's pair (a scalar exp per
-// element against ATen's vectorized kernel), so it stays a torch op; RoPE + K/V write lives in
-// rope_kv.cpp, vectorized.
+// RoPE + K/V write (rope_kv.cpp) and SiLU-and-mul (silu_mul.cpp) live in their own files, vectorized.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
