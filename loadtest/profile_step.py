@@ -1,11 +1,11 @@
-"""Per-op time breakdown of the engine's steps at W1's shapes (torch.profiler), fused op on and off.
+"""Per-op time breakdown of the engine's steps at W1's shapes (torch.profiler), fused ops on and off.
 
 Two steps of the model runner alone, as W1 has them: a decode step of 64 sequences at context 192
 (the middle of W1's decodes), and a prefill step of 16 prompts x 128 tokens (W1's 2,048-token
 budget). For each, `--steps` profiled steps (after warm-up): every op's self CPU time per step,
 its calls per step and its share of the step's wall time, top ops first (the C++ extension's ops
-appear as `cpp::*`); the same with the fused residual add + RMSNorm turned off (the add and the norm
-apart), so the table shows what fusion removed. The two configurations alternate; each keeps its fastest round.
+appear as `cpp::*`); the same with the fused layer ops turned off (residual add + RMSNorm, RoPE + K/V
+write: each then runs as the torch ops it replaces), so the tables show what fusion removed. The two configurations alternate; each keeps its fastest round.
 
     python loadtest/profile_step.py                       # -> reports/profile_cpu.{md,json}
     python loadtest/profile_step.py --quick               # -> build/profile-quick/
@@ -70,7 +70,9 @@ def breakdown(runner: ModelRunner, batch: SchedulerOutput, steps: int, top: int)
     ops = [{"op": e.key, "ms_per_step": e.self_cpu_time_total / 1e3 / steps, "calls_per_step": e.count / steps,
             "share": e.self_cpu_time_total / 1e6 / steps / wall} for e in events[:top]]
     calls = sum(e.count for e in events) / steps
-    return {"step_ms": wall * 1e3, "op_calls_per_step": calls, "ops": ops}
+    # what no op accounts for: Python, dispatch, allocation, and the profiler's own cost
+    outside = wall * 1e3 - sum(e.self_cpu_time_total for e in events) / 1e3 / steps
+    return {"step_ms": wall * 1e3, "op_calls_per_step": calls, "outside_ops_ms": outside, "ops": ops}
 
 
 def main() -> int:
@@ -90,10 +92,12 @@ def main() -> int:
     cfg = EngineConfig.from_kwargs(args.model, dtype="bfloat16", num_blocks=decode_b * 12 + prefill_n * 8 + 1)
     runner = ModelRunner(cfg.model, cfg.cache, cfg.model.hf_config(), cfg.scheduler)
     model = runner.model
-    fused_op = labeled("cpp::add_rms_norm", model._add_rms_norm_op)
     model._rms_norm_op = labeled("cpp::rms_norm", model._rms_norm_op)
-    model._rope_write_kv_op = labeled("cpp::rope_write_kv", model._rope_write_kv_op)
     runner.decode_kernel = labeled("cpp::paged_decode", runner.decode_kernel)
+    runner.argmax = labeled("cpp::argmax", runner.argmax)
+    # the fused layer ops, turned off together for the "unfused" rounds (each then runs as the torch ops it replaces)
+    fused_ops = {"_add_rms_norm_op": labeled("cpp::add_rms_norm", model._add_rms_norm_op),
+                 "_rope_write_kv_op": labeled("cpp::rope_write_kv", model._rope_write_kv_op)}
     shapes = {"decode": decode_batch(decode_b, 192, 16), "prefill": prefill_batch(prefill_n, 128, 16, decode_b * 12)}
     result = {"command": " ".join(["python", "loadtest/profile_step.py", *sys.argv[1:]]), "threads": torch.get_num_threads(),
               "load_avg_at_start": [round(x, 2) for x in load_avg], "decode_batch": decode_b, "prefill": f"{prefill_n} x 128",
@@ -102,7 +106,8 @@ def main() -> int:
     for _ in range(1 if args.quick else 2):
         for name, batch in shapes.items():
             for fused in (True, False):
-                runner.model.use_add_rms_norm_op(fused_op if fused else None)
+                for attr, op in fused_ops.items():
+                    setattr(model, attr, op if fused else None)
                 key = f"{name} ({'fused' if fused else 'unfused'})"
                 run = breakdown(runner, batch, steps, args.top)
                 print(f"[profile] {key}: {run['step_ms']:.1f} ms/step, {run['op_calls_per_step']:.0f} op calls/step", flush=True)
@@ -117,7 +122,8 @@ def main() -> int:
         lines += [f"## {key}: {run['step_ms']:.1f} ms/step, {run['op_calls_per_step']:.0f} op calls/step", "",
                   "| op | ms/step | calls/step | share of step |", "|---|---|---|---|"]
         lines += [f"| `{o['op']}` | {o['ms_per_step']:.2f} | {o['calls_per_step']:.0f} | {100 * o['share']:.1f}% |" for o in run["ops"]]
-        lines.append("")
+        lines += ["", f"Outside every op (Python, dispatch, allocation, the profiler's own cost): {run['outside_ops_ms']:.1f} ms/step "
+                  f"({100 * run['outside_ops_ms'] / run['step_ms']:.0f}%).", ""]
     (out_dir / "profile_cpu.md").write_text("\n".join(lines))
     print(f"[profile] wrote {out_dir}/profile_cpu.{{md,json}}")
     return 0

@@ -10,13 +10,11 @@
   updated in place), bit-identical to the pair it replaces.
 - `rope_write_kv_bf16` (csrc/rope_kv.cpp): RoPE on a layer's q and k heads in place and the k/v rows
   written to their cache slots, one pass per token, bit-identical to the torch ops it replaces.
-- `silu_mul_bf16` (csrc/silu_mul.cpp): the MLP's SiLU(gate) * up in one pass over the gate/up
-  projection, bit-identical to torch's silu then mul (SLEEF's exp, step by step).
 - `argmax_rows` (csrc/argmax.cpp): greedy sampling's argmax over fp32 logits at memory speed,
   with torch.argmax's answer (first maximum; first NaN).
 
 `paged_decode_kernel()` / `rms_norm_bf16_op()` / `add_rms_norm_bf16_op()` / `rope_write_kv_bf16_op()` /
-`silu_mul_bf16_op()` / `argmax_rows_op()` return the op, or None (with a warning, once) when the
+`argmax_rows_op()` return the op, or None (with a warning, once) when the
 extension cannot be built; callers then use the torch path. `python -m serve_app.engine.cpu_kernels`
 builds it ahead of time (make install does).
 """
@@ -80,11 +78,6 @@ def add_rms_norm_bf16_op():
 def rope_write_kv_bf16_op():
     ext = _extension()
     return None if ext is None else ext.rope_write_kv_bf16
-
-
-def silu_mul_bf16_op():
-    ext = _extension()
-    return None if ext is None else ext.silu_mul_bf16
 
 
 def argmax_rows_op():

@@ -80,7 +80,6 @@ class ModelRunner:
             self.model.use_rms_norm_op(cpu_kernels.rms_norm_bf16_op())
             self.model.use_add_rms_norm_op(cpu_kernels.add_rms_norm_bf16_op())
             self.model.use_rope_write_kv_op(cpu_kernels.rope_write_kv_bf16_op())
-            self.model.use_silu_mul_op(cpu_kernels.silu_mul_bf16_op())
         per_block = kv_cache_bytes_per_block(self.args, self.block_size, self.dtype)
         if cache_config.gpu_memory_utilization:
             if self.device.type != "cuda":

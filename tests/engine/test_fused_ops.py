@@ -1,6 +1,6 @@
 """The fused bf16 CPU ops (csrc/fused_ops.cpp: residual add + RMSNorm; csrc/rope_kv.cpp: RoPE + K/V
-write; csrc/silu_mul.cpp: SiLU-and-mul) against the torch ops they replace, bit for bit, and the real
-model with each against the model without it."""
+write) against the torch ops they replace, bit for bit, and the real model with each against the
+model without it."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def test_add_rms_norm_matches_add_then_norm():
     torch.testing.assert_close(out, expected, atol=0, rtol=2**-7)  # and HF's formula within a bf16 ulp
 
 
-@pytest.mark.parametrize("attr", ["_add_rms_norm_op", "_rope_write_kv_op", "_silu_mul_op"])
+@pytest.mark.parametrize("attr", ["_add_rms_norm_op", "_rope_write_kv_op"])
 def test_model_with_each_fused_op_matches_model_without(model_dir, prompt_ids, attr):
     """bf16, real model: greedy tokens with the fused op equal those with the torch ops it replaces."""
     from serve_app.engine import LLM, SamplingParams
@@ -74,31 +74,3 @@ def test_rope_write_kv_matches_the_torch_ops(head_dim):
     assert torch.equal(fused[:, :split], qk.reshape(tokens, split))  # q and k rotated in place, bit for bit
     assert torch.equal(fused[:, split:], qkv[:, split:])  # v untouched
     assert torch.equal(caches[2], caches[0]) and torch.equal(caches[3], caches[1])
-
-
-
-SILU_MUL = cpu_kernels.silu_mul_bf16_op()
-
-
-def test_silu_mul_matches_silu_then_mul_bit_for_bit():
-    """Every finite bf16 gate value (all 65,536 bit patterns but NaN), and random rows at the MLP's
-    width, including a view with padded rows (as the packed linear returns), against F.silu then mul."""
-    patterns = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
-    gate = patterns[~torch.isnan(patterns)]
-    gate = gate[: gate.numel() // 32 * 32].view(-1, 32)
-    up = torch.randn(gate.shape, generator=torch.Generator().manual_seed(0)).bfloat16()
-    expected = F.silu(gate) * up
-    got = SILU_MUL(torch.cat([gate, up], dim=1))
-    same_bits = got.view(torch.int16) == expected.view(torch.int16)
-    assert bool((same_bits | (got.isnan() & expected.isnan())).all())  # (silu(-inf) is NaN: any NaN bits)
-    assert int(expected.isnan().sum()) == 1
-    gen = torch.Generator().manual_seed(1)
-    padded = (torch.randn(70, 2 * 1536, generator=gen) * 4).bfloat16()
-    x = padded[:67]  # rows of a padded matmul output
-    g, u = x.chunk(2, dim=-1)
-    assert torch.equal(SILU_MUL(x), F.silu(g) * u)
-
-
-def test_silu_mul_refuses_widths_torch_finishes_in_scalar_code():
-    with pytest.raises(RuntimeError, match="multiple of 32"):
-        SILU_MUL(torch.zeros(2, 2 * 40, dtype=torch.bfloat16))

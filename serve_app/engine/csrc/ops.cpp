@@ -9,13 +9,11 @@ void rope_write_kv_bf16(torch::Tensor qkv, torch::Tensor positions, torch::Tenso
                         torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slot_mapping, int64_t num_heads,
                         int64_t num_kv_heads);
 torch::Tensor argmax_rows(torch::Tensor logits);
-torch::Tensor silu_mul_bf16(torch::Tensor gate_up);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention (CPU)");
   m.def("rms_norm_bf16", &rms_norm_bf16, "RMSNorm, bf16 in and out, HF's rounding (CPU)");
   m.def("add_rms_norm_bf16", &add_rms_norm_bf16, "residual += x (in place), then RMSNorm of it (bf16, CPU)");
-  m.def("silu_mul_bf16", &silu_mul_bf16, "SiLU(gate) * up from the fused gate/up projection, bit-identical to torch's pair (bf16, CPU)");
   m.def("argmax_rows", &argmax_rows, "row-wise argmax of fp32 logits, as torch.argmax(dim=-1) (CPU)");
   m.def("rope_write_kv_bf16", &rope_write_kv_bf16, "RoPE on q/k in place + k/v rows to their cache slots (bf16, CPU)");
 }

@@ -145,7 +145,6 @@ class LlamaForCausalLM(nn.Module):
         self._rms_norm_op = None  # (x, weight, eps) -> normed, replacing F.rms_norm (bf16 CPU op)
         self._add_rms_norm_op = None  # (x, residual, weight, eps) -> normed, residual += x in place (bf16 CPU op)
         self._rope_write_kv_op = None  # RoPE on q/k in place + k/v to the cache (bf16 CPU op, csrc/rope_kv.cpp)
-        self._silu_mul_op = None  # gate_up [T, 2I] -> silu(gate) * up (bf16 CPU op, csrc/silu_mul.cpp)
 
     def use_rms_norm_op(self, op) -> None:
         """Normalize with `op(x, weight, eps)` (e.g. the C++ bf16 CPU op) instead of F.rms_norm."""
@@ -161,17 +160,6 @@ class LlamaForCausalLM(nn.Module):
         gather, roll, elementwise ops and index_copy_; bit-identical. Only for steps whose attention
         has no whole-step implementation (`AttentionMetadata.impl`), which writes the cache itself."""
         self._rope_write_kv_op = op
-
-    def use_silu_mul_op(self, op) -> None:
-        """Compute the MLP's silu(gate) * up with `op(gate_up)` (the C++ bf16 CPU op, bit-identical);
-        it needs an intermediate size that is a multiple of 32, else the torch ops stay."""
-        self._silu_mul_op = op if self.args.intermediate_size % 32 == 0 else None
-
-    def _silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        if self._silu_mul_op is not None:
-            return self._silu_mul_op(gate_up)
-        gate, up = gate_up.chunk(2, dim=-1)
-        return F.silu(gate) * up
 
     def _add_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(residual + x), residual + x); the fused op updates `residual` in place."""
@@ -251,7 +239,8 @@ class LlamaForCausalLM(nn.Module):
             v = qkv[:, q_size + kv_size :].view(num_tokens, a.num_kv_heads, a.head_dim)
             attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, kv_written=fused_rope)  # [T, H, D]
             x, residual = self._add_norm(self._linear(attn.view(num_tokens, q_size), layer.o), residual, layer.post_norm)
-            hidden = self._linear(self._silu_mul(self._linear(x, layer.gate_up)), layer.down)
+            gate, up = self._linear(x, layer.gate_up).chunk(2, dim=-1)
+            hidden = self._linear(F.silu(gate) * up, layer.down)
         return residual + hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
