@@ -108,8 +108,8 @@ def makespan_lower_bound(requests: list[tuple[float, int, int]], fixed: float, p
     Two facts bound it, and the larger answer holds:
     - work: nothing that arrives at t can run before t, and that work takes at least its decode tokens
       in full steps of `cap` sequences (their fixed cost) plus its per-token costs: for every arrival
-      t, t + that engine time of the requests arriving from t on (t = the first arrival: all the work
-      in full steps, the old bound);
+      t, t + that engine time of the requests arriving from t on (at the first arrival: the whole
+      trace in full steps);
     - chains: a request of P prompt and L output tokens needs ceil(P / budget) + L - 1 steps one after
       the other from its arrival, each paying the fixed cost, and all the per-token work of the trace
       must run too, except what fits before that arrival (no more than the time there is, nor the
