@@ -5,7 +5,8 @@ Two steps of the model runner alone, as W1 has them: a decode step of 64 sequenc
 budget). For each, `--steps` profiled steps (after warm-up): every op's self CPU time per step,
 its calls per step and its share of the step's wall time, top ops first (the C++ extension's ops
 appear as `cpp::*`); the same with the fused layer ops turned off (residual add + RMSNorm, RoPE + K/V
-write: each then runs as the torch ops it replaces), so the tables show what fusion removed. The two configurations alternate; each keeps its fastest round.
+write: each then runs as the torch ops it replaces), so the tables show what fusion removed. The two
+configurations alternate; each keeps its fastest round.
 
     python loadtest/profile_step.py                       # -> reports/profile_cpu.{md,json}
     python loadtest/profile_step.py --quick               # -> build/profile-quick/

@@ -13,8 +13,7 @@
 - `argmax_rows` (csrc/argmax.cpp): greedy sampling's argmax over fp32 logits at memory speed,
   with torch.argmax's answer (first maximum; first NaN).
 
-`paged_decode_kernel()` / `rms_norm_bf16_op()` / `add_rms_norm_bf16_op()` / `rope_write_kv_bf16_op()` /
-`argmax_rows_op()` return the op, or None (with a warning, once) when the
+`op(name)` returns one of them by name, or None (with a warning, once) when the
 extension cannot be built; callers then use the torch path. `python -m serve_app.engine.cpu_kernels`
 builds it ahead of time (make install does).
 """
@@ -60,29 +59,10 @@ def _extension() -> Any | None:
         return None
 
 
-def paged_decode_kernel():
+def op(name: str) -> Any | None:
+    """The extension's op `name` (`paged_decode`, `rms_norm_bf16`, ...), or None without the extension."""
     ext = _extension()
-    return None if ext is None else ext.paged_decode
-
-
-def rms_norm_bf16_op():
-    ext = _extension()
-    return None if ext is None else ext.rms_norm_bf16
-
-
-def add_rms_norm_bf16_op():
-    ext = _extension()
-    return None if ext is None else ext.add_rms_norm_bf16
-
-
-def rope_write_kv_bf16_op():
-    ext = _extension()
-    return None if ext is None else ext.rope_write_kv_bf16
-
-
-def argmax_rows_op():
-    ext = _extension()
-    return None if ext is None else ext.argmax_rows
+    return None if ext is None else getattr(ext, name)
 
 
 if __name__ == "__main__":

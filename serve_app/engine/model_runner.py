@@ -55,12 +55,13 @@ def is_decode(s: ScheduledRequest) -> bool:
     return s.num_tokens == 1 or bool(s.spec_token_ids)
 
 
-def kernel_rank(s: ScheduledRequest) -> int:
-    """Order of a step's requests on the decode-kernel path: decodes (0), then the prompt chunks the
-    kernel attends (1), then those torch's SDPA does (2), so each group is a contiguous run of rows."""
+def kernel_rank(s: ScheduledRequest, kernel: bool = True) -> int:
+    """A step's requests in row order: decodes (0), then the prompt chunks the decode kernel attends
+    (1, only with a `kernel`), then those torch's SDPA does (2); each group a contiguous run of rows.
+    Ranks 0 and 1 are the rows `prepare` hands to the block-table path."""
     if is_decode(s):
         return 0
-    return 1 if s.start_pos > 0 or s.num_tokens <= KERNEL_MAX_FRESH_CHUNK else 2
+    return 1 if kernel and (s.start_pos > 0 or s.num_tokens <= KERNEL_MAX_FRESH_CHUNK) else 2
 
 
 class ModelRunner:
@@ -77,9 +78,9 @@ class ModelRunner:
         self.backend = resolve_backend(model_config.attention_backend, self.device, self.dtype)
         use_cpu_ops = self.backend == "cpu_kernel"
         if use_cpu_ops and self.dtype == torch.bfloat16:
-            self.model.use_rms_norm_op(cpu_kernels.rms_norm_bf16_op())
-            self.model.use_add_rms_norm_op(cpu_kernels.add_rms_norm_bf16_op())
-            self.model.use_rope_write_kv_op(cpu_kernels.rope_write_kv_bf16_op())
+            self.model.use_rms_norm_op(cpu_kernels.op("rms_norm_bf16"))
+            self.model.use_add_rms_norm_op(cpu_kernels.op("add_rms_norm_bf16"))
+            self.model.use_rope_write_kv_op(cpu_kernels.op("rope_write_kv_bf16"))
         per_block = kv_cache_bytes_per_block(self.args, self.block_size, self.dtype)
         if cache_config.gpu_memory_utilization:
             if self.device.type != "cuda":
@@ -101,8 +102,8 @@ class ModelRunner:
                 for _ in range(self.args.num_layers)
             ]
         self.kv_cache_bytes = per_block * self.num_blocks
-        self.decode_kernel = cpu_kernels.paged_decode_kernel() if use_cpu_ops else None
-        self.argmax = cpu_kernels.argmax_rows_op() if use_cpu_ops else None
+        self.decode_kernel = cpu_kernels.op("paged_decode") if use_cpu_ops else None
+        self.argmax = cpu_kernels.op("argmax_rows") if use_cpu_ops else None
         self.generator = torch.Generator(device=self.device).manual_seed(model_config.seed)
         # triton / flashinfer: one implementation for every sequence of a step, over persistent inputs
         self.varlen = None
@@ -133,8 +134,8 @@ class ModelRunner:
         kernel row per token, each over the context up to its own position: its K/V are all written
         before attention, so that is exactly causal attention."""
         step = self.input_batch.build(scheduled)
-        on_kernel = (lambda s: kernel_rank(s) < 2) if self.decode_kernel is not None else is_decode
-        b = next((i for i, s in enumerate(scheduled) if not on_kernel(s)), len(scheduled))
+        kernel = self.decode_kernel is not None
+        b = next((i for i, s in enumerate(scheduled) if kernel_rank(s, kernel) == 2), len(scheduled))
         num_decode_rows = sum(s.num_tokens for s in scheduled[:b])
         block_tables = context_lens = mask = None
         if b:
@@ -184,9 +185,9 @@ class ModelRunner:
         return self.model(step.input_ids, step.positions, self.kv_caches, meta), None
 
     def _order(self, scheduled: Sequence[ScheduledRequest]) -> list[ScheduledRequest]:
-        """A step's requests in row order (stable): decodes first; with the CPU decode kernel, the
-        prompt chunks it attends next (`kernel_rank`)."""
-        return sorted(scheduled, key=kernel_rank if self.decode_kernel is not None else lambda s: not is_decode(s))
+        """A step's requests in row order (`kernel_rank`; stable)."""
+        kernel = self.decode_kernel is not None
+        return sorted(scheduled, key=lambda s: kernel_rank(s, kernel))
 
     @torch.inference_mode()
     def sampling_logits(self, scheduled: Sequence[ScheduledRequest]) -> tuple[list[ScheduledRequest], torch.Tensor]:

@@ -10,7 +10,7 @@ from serve_app.engine import cpu_kernels
 from serve_app.engine.sampler import sample
 from serve_app.types import SamplingParams
 
-ARGMAX = cpu_kernels.argmax_rows_op()
+ARGMAX = cpu_kernels.op("argmax_rows")
 pytestmark = pytest.mark.skipif(ARGMAX is None, reason="the C++ ops could not be built here")
 
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from serve_app.engine import cpu_kernels
 from serve_app.engine.attention import _gather
 
-KERNEL = cpu_kernels.paged_decode_kernel()
+KERNEL = cpu_kernels.op("paged_decode")
 pytestmark = pytest.mark.skipif(KERNEL is None, reason="the C++ kernel could not be built here")
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from serve_app.engine import cpu_kernels
 
-ADD_RMS_NORM = cpu_kernels.add_rms_norm_bf16_op()
+ADD_RMS_NORM = cpu_kernels.op("add_rms_norm_bf16")
 pytestmark = pytest.mark.skipif(ADD_RMS_NORM is None, reason="the C++ ops could not be built here")
 
 
@@ -24,7 +24,7 @@ def test_add_rms_norm_matches_add_then_norm():
     res = residual.clone()
     out = ADD_RMS_NORM(x, res, weight, 1e-5)
     assert torch.equal(res, expected_sum), "the residual must become residual + x, rounded to bf16, in place"
-    assert torch.equal(out, cpu_kernels.rms_norm_bf16_op()(expected_sum, weight, 1e-5))  # the unfused pair, bit for bit
+    assert torch.equal(out, cpu_kernels.op("rms_norm_bf16")(expected_sum, weight, 1e-5))  # the unfused pair, bit for bit
     torch.testing.assert_close(out, expected, atol=0, rtol=2**-7)  # and HF's formula within a bf16 ulp
 
 
@@ -44,7 +44,7 @@ def test_model_with_each_fused_op_matches_model_without(model_dir, prompt_ids, a
     assert fused == unfused
 
 
-ROPE_WRITE_KV = cpu_kernels.rope_write_kv_bf16_op()
+ROPE_WRITE_KV = cpu_kernels.op("rope_write_kv_bf16")
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 40])  # the AVX-512 path (D % 32 == 0) and the portable one

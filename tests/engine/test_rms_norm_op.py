@@ -12,7 +12,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from serve_app.engine import cpu_kernels
 
-OP = cpu_kernels.rms_norm_bf16_op()
+OP = cpu_kernels.op("rms_norm_bf16")
 pytestmark = pytest.mark.skipif(OP is None, reason="the C++ ops could not be built here")
 
 
