@@ -117,7 +117,6 @@ class ServeTarget:
         self.url = f"http://127.0.0.1:{port}/v1/completions"
         self.model = Path(args["model"]).name
         self.streams = serving_anchors.OpenAIStreams(self.url, self.model)
-        self.client = self.streams.client
         self.stream = self.streams.stream
         self.processes = _serve_processes()
 
@@ -126,11 +125,11 @@ class ServeTarget:
         base = self.url.rsplit("/v1/", 1)[0]
         out = {}
         for name, path in (("proxy_ingress_ms", "/v1/models"), ("proxy_ingress_replica_ms", "/health")):
-            await self.client.get(base + path)
+            await self.streams.get(base + path)
             times = []
             for _ in range(num):
                 start = time.perf_counter()
-                (await self.client.get(base + path)).raise_for_status()
+                await self.streams.get(base + path)
                 times.append(1000 * (time.perf_counter() - start))
             out[name] = statistics.median(times)
         return out
@@ -146,7 +145,7 @@ class ServeTarget:
         from ray import serve
 
         with contextlib.suppress(Exception):
-            LOOP.run_until_complete(self.client.aclose())
+            LOOP.run_until_complete(self.streams.aclose())
         serve.delete("bench")
         serve.shutdown()
 

@@ -1,7 +1,7 @@
 """The serving path's ceiling: the null engine (loadtest/null_backend.py) behind the real Serve app.
 
 One *point* = one Serve deployment (ingress replicas, stream batching interval) × one load (concurrent
-streams × output tokens per stream). Every stream starts at once; the client (httpx, streamed
+streams × output tokens per stream). Every stream starts at once; the client (aiohttp, streamed
 POST /v1/completions, in the benchmark process) reads raw SSE bytes and timestamps every read, so its
 own cost stays small and is counted apart. Measured per point:
 
@@ -84,16 +84,12 @@ def cpu_by_group(target) -> dict[str, float]:
 
 async def timed_stream(target, prompt: list[int], max_tokens: int) -> tuple[float, list[float], int]:
     """(TTFT, gaps between later reads, completion tokens) of one streamed completion."""
-    body = {"model": target.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
     start = time.perf_counter()
     arrivals: list[float] = []
     tail = b""
-    async with target.client.stream("POST", target.url, json=body) as r:
-        r.raise_for_status()
-        async for raw in r.aiter_raw():
-            arrivals.append(time.perf_counter())
-            tail = (tail + raw)[-4096:]
+    async for raw in target.streams.reads(prompt, max_tokens):
+        arrivals.append(time.perf_counter())
+        tail = (tail + raw)[-4096:]
     text = tail.decode(errors="replace")
     if '"error"' in text:
         raise RuntimeError(f"stream error: {text[-500:]}")
