@@ -5,10 +5,10 @@ engine through Ray Serve against the same engine called directly, in one run.
    ingress replicas × stream batching × profile (through the proxy, or direct ingress with Serve's
    throughput settings): tokens/s carried, CPU ms per output token per process (the null engine and
    the client counted apart), TTFT and ITL at the client.
-2. Real engine (configs/local.yaml's engine options): TTFT at low load (sequential streamed requests),
-   output tok/s at 8/32/64 concurrent streams (128 random prompt tokens, `--output-len` tokens each,
-   ignore_eos, greedy), CPU per output token per process. Direct: `AsyncLLMEngine.generate` in this
-   process. Serve: POST /v1/completions (stream) → proxy → OpenAIIngress → LLMServer → SSE. Repeats are
+2. Real engine (configs/local.yaml's engine options): TTFT at low load (streamed requests one at a
+   time, direct and Serve taking turns), output tok/s at 8/32/64 concurrent streams (128 random
+   prompt tokens, `--output-len` tokens each, ignore_eos, greedy), CPU per output token per process.
+   Direct: `AsyncLLMEngine.generate` in this process. Serve: POST /v1/completions (stream) → proxy → OpenAIIngress → LLMServer → SSE. Repeats are
    interleaved (direct, then Serve, alternating order) so that a change in machine load hits both
    alike; ratios are taken per repeat and reported as median [min-max].
 3. Anchors (loadtest/serving_anchors.py): vLLM-CPU's own OpenAI server and Ray Serve LLM against
@@ -211,12 +211,17 @@ def _direct_ingress_port() -> int:
 
 
 # ---- measurements ---------------------------------------------------------------------------------------
-async def measure_ttft(target, prompts: list[list[int]]) -> dict[str, Any]:
-    ttfts = []
-    for p in prompts:  # one at a time: low load
-        ttft, _ = await target.stream(p, 8)
-        ttfts.append(ttft)
-    return {"ttft_p50_s": statistics.median(ttfts), "ttft_p90_s": pct(ttfts, 0.9), "ttft_mean_s": statistics.fmean(ttfts)}
+async def measure_ttft(targets: tuple, prompts: list[list[int]]) -> dict[str, dict[str, Any]]:
+    """TTFT at low load: one request at a time, the targets taking turns request by request (who goes
+    first alternates), so that a change in machine load hits both alike. Each target sees every
+    prompt once; the prompts must be new to both (a prefix-cache hit would skip the prefill)."""
+    ttfts: dict[str, list[float]] = {t.name: [] for t in targets}
+    for i, p in enumerate(prompts):
+        for target in targets if i % 2 == 0 else targets[::-1]:
+            ttft, _ = await target.stream(p, 8)
+            ttfts[target.name].append(ttft)
+    return {name: {"ttft_p50_s": statistics.median(v), "ttft_p90_s": pct(v, 0.9), "ttft_mean_s": statistics.fmean(v),
+                   "ttft_s": v} for name, v in ttfts.items()}
 
 
 async def measure_throughput(target, prompts: list[list[int]], output_len: int) -> dict[str, Any]:
@@ -238,17 +243,16 @@ async def measure_throughput(target, prompts: list[list[int]], output_len: int) 
 
 def run_variant(direct: DirectTarget, serve_args: dict[str, Any], opts, vocab: int) -> dict[str, Any]:
     serve_target = ServeTarget(serve_args)
-    ttft_prompts = random_prompts(opts.ttft_requests, opts.prompt_len, vocab, seed=1)
     runs: list[dict[str, Any]] = []
-    try:
-        for target in (direct, serve_target):  # warm-up: first requests pay one-time costs
-            LOOP.run_until_complete(measure_ttft(target, ttft_prompts[:2]))
+    try:  # warm-up: first requests pay one-time costs
+        LOOP.run_until_complete(measure_ttft((direct, serve_target), random_prompts(2, opts.prompt_len, vocab, seed=1)))
         for repeat in range(opts.repeats):
             run: dict[str, Any] = {"repeat": repeat, "ttft": {}, "throughput": {},
                                    "hops": LOOP.run_until_complete(serve_target.hop_latency())}
             order = (direct, serve_target) if repeat % 2 == 0 else (serve_target, direct)
-            for target in order:
-                run["ttft"][target.name] = LOOP.run_until_complete(measure_ttft(target, ttft_prompts))
+            # new prompts every repeat (as below): TTFT at low load includes the prompt's prefill
+            run["ttft"] = LOOP.run_until_complete(measure_ttft(
+                order, random_prompts(opts.ttft_requests, opts.prompt_len, vocab, seed=2 + repeat)))
             for concurrency in opts.concurrency:
                 # new prompts every repeat: a repeat must not be served from the prefix cache its predecessor filled
                 prompts = random_prompts(concurrency, opts.prompt_len, vocab, seed=100 + concurrency + 1000 * repeat)
@@ -269,7 +273,9 @@ def summarize(runs: list[dict[str, Any]], concurrency: list[int]) -> dict[str, A
     out: dict[str, Any] = {"ttft": {}, "throughput": {}, "hops": {k: spread([r["hops"][k] for r in runs]) for k in runs[0]["hops"]}}
     for name in ("direct", "serve"):
         out["ttft"][name] = spread([r["ttft"][name]["ttft_p50_s"] for r in runs])
-    out["ttft"]["overhead_ms"] = spread([1000 * (r["ttft"]["serve"]["ttft_p50_s"] - r["ttft"]["direct"]["ttft_p50_s"]) for r in runs])
+    # per repeat: the median over its requests of Serve's TTFT minus direct's on the same prompt
+    out["ttft"]["overhead_ms"] = spread([1000 * statistics.median(
+        s - d for s, d in zip(r["ttft"]["serve"]["ttft_s"], r["ttft"]["direct"]["ttft_s"], strict=True)) for r in runs])
     for c in map(str, concurrency):
         entry: dict[str, Any] = {}
         for name in ("direct", "serve"):
@@ -307,7 +313,8 @@ def write_report(results: dict[str, Any], out_dir: Path) -> None:
         f"Machine: {results['machine']}. Load average at start: {results['loadavg_start']}, at end: {results['loadavg_end']} "
         "(other work shared the machine: compare the paired ratios, not absolute numbers across runs).",
         f"Engine options (both targets, from {w['config']}): `{json.dumps(w['engine'])}`. Prompts: {w['prompt_len']} random "
-        f"token ids; TTFT runs: {w['ttft_requests']} sequential streamed requests × 8 tokens; throughput runs: every stream "
+        f"token ids, new in every repeat; TTFT runs: {w['ttft_requests']} streamed requests × 8 tokens one at a time, direct "
+        "and Serve taking turns (TTFT added: median over a repeat's prompts of Serve's minus direct's); throughput runs: every stream "
         f"starts at once, {w['output_len']} output tokens each, greedy, ignore_eos. {w['repeats']} interleaved repeats; "
         "cells are median [min–max] over repeats.",
         "",
