@@ -106,11 +106,19 @@ clean:
 # OpenAI-compatible API on http://127.0.0.1:8000/v1 (2 LLMServer replicas); Ctrl-C stops Serve and Ray.
 # RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 makes Ray use the loopback address (not eth0) for its own traffic;
 # RAY_DEDUP_LOGS=0 shows every replica's lines (Ray would hold back look-alike lines of the second replica).
+# SERVE_PROFILE=direct: Ray Serve's throughput settings and direct ingress (docs/serving-path.md): each
+# ingress replica answers HTTP itself, the first on port 8100 (then 8101, ...), with no proxy hop; the
+# proxy's port 8000 keeps working. Serve reads these variables when its processes start.
 SERVE_CONFIG ?= configs/local.yaml
+SERVE_PROFILE ?= default
+DIRECT_INGRESS_ENV := RAY_SERVE_THROUGHPUT_OPTIMIZED=1 RAY_SERVE_ENABLE_DIRECT_INGRESS=1 \
+  RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT=8100 RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT=8199 \
+  RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT=8200 RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT=8299
+SERVE_ENV := $(if $(filter direct,$(SERVE_PROFILE)),$(DIRECT_INGRESS_ENV),$(if $(filter default,$(SERVE_PROFILE)),,$(error SERVE_PROFILE must be default or direct)))
 .PHONY: serve
 serve: install model
-	@echo "[serve] $(SERVE_CONFIG): OpenAI API at http://127.0.0.1:8000/v1 once 'OpenAI-compatible API ready' is logged (about 30 s); Ctrl-C stops it"
-	RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_DEDUP_LOGS=0 $(VENV)/bin/serve run $(SERVE_CONFIG)
+	@echo "[serve] $(SERVE_CONFIG) ($(SERVE_PROFILE)): OpenAI API at http://127.0.0.1:8000/v1$(if $(SERVE_ENV), and http://127.0.0.1:8100/v1 (direct ingress)) once 'OpenAI-compatible API ready' is logged (about 30 s); Ctrl-C stops it"
+	RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_DEDUP_LOGS=0 $(SERVE_ENV) $(VENV)/bin/serve run $(SERVE_CONFIG)
 
 # ---- observability ----------------------------------------------------------------------------------
 # Prometheus + promtool from Debian's `prometheus` package, installed once (as root, or with sudo).
