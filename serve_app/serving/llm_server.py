@@ -143,23 +143,25 @@ class LLMServer:
                 yield tally.cut(request)
 
     async def generate_muxed(self, request: GenerateRequest, inlet: InletAddress) -> AsyncIterator[GenerationChunk]:
-        """`generate` with stream multiplexing (serving.stream_mux): only the admission chunk comes on
-        this call; every later delta goes to `inlet`, the caller's ingress, together with that
-        ingress's other streams. The call stays open while the request runs and ends with it (a
-        stream the drain cut ends with its abort chunk here)."""
+        """`generate` with stream multiplexing (serving.stream_mux): the admission chunk and every
+        delta up to the first token come on this call; every later delta goes to `inlet`, the
+        caller's ingress, together with that ingress's other streams. The call stays open while the
+        request runs and ends with it (a stream the drain cut ends with its abort chunk here)."""
         request = self._arrived(request)
         sender = self._senders.get(inlet)
         with self._tracked(request) as tally:
             try:
                 async with contextlib.aclosing(self.backend.generate(request)) as outputs:
-                    first = await anext(outputs)  # the admission delta; invalid input raises here
-                    yield GenerationChunk.from_output(first)
-                    tally.add(len(first.token_ids), first.finish_reason)
-                    if first.finished:
-                        return
-                    async for out in outputs:
+                    token_sent = False
+                    async for out in outputs:  # the first is the admission delta; invalid input raises there
                         tally.add(len(out.token_ids), out.finish_reason)
-                        sender.add(request.request_id, out)
+                        if token_sent:
+                            sender.add(request.request_id, out)
+                            continue
+                        yield GenerationChunk.from_output(out)
+                        if out.token_ids and not out.finished:
+                            token_sent = True
+                            sender.token_sent(request.request_id)
             except BaseException as exc:  # cancelled (caller gone or the drain cut it) or failed: drop what is pending
                 sender.forget(request.request_id)
                 if not isinstance(exc, asyncio.CancelledError) or request.request_id not in self._cut:

@@ -68,11 +68,12 @@ class StreamBatcher:
     them as one chunk and restarts the interval.
     """
 
-    def __init__(self, interval_s: float) -> None:
+    def __init__(self, interval_s: float, token_sent_at: float | None = None) -> None:
+        """`token_sent_at`: when the stream's first token went out by another way, if it did."""
         self.interval_s = interval_s
         self._pending: list[RequestOutput] = []
-        self._last_send: float | None = None
-        self._sent_token = False  # until the first token has gone, nothing is held (TTFT untouched)
+        self._last_send = token_sent_at
+        self._sent_token = token_sent_at is not None  # until the first token has gone, nothing is held (TTFT untouched)
 
     def add(self, out: RequestOutput) -> None:
         self._pending.append(out)

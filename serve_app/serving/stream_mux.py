@@ -10,14 +10,16 @@ so with one item per stream the replica → ingress hop costs per token. Multipl
   it through one Ray streaming call (`MuxReceiver`);
 - a request still goes to an LLMServer replica as a Serve call (`generate_muxed`), routed by the
   router as usual: that call returns the admission chunk (invalid input, backpressure and failures
-  surface there, before any byte is sent), stays open while the request runs (cancelling it aborts
-  the request in the engine, as before) and ends with it; a replica that dies fails the call;
+  surface there, before any byte is sent) and then the first token (one hop to the ingress, where
+  the inlet would take two: time to first token), stays open while the request runs (cancelling it
+  aborts the request in the engine, as before) and ends with it; a replica that dies fails the call;
 - the replica hands every later delta to the `MuxSender` of that request's inlet, which merges each
   stream's deltas with the same `StreamBatcher` rules as unmultiplexed streams (first token and
   finish at once; nothing held longer than `stream_batch_interval_s`) and pushes everything due,
   for all of that ingress's streams, as one encoded batch;
 - the receiver hands each chunk to its request's queue. One replica pushes to one inlet in order and
-  the inlet streams in order, so a request's chunks arrive in order.
+  the inlet streams in order, so a request's chunks arrive in order; the ingress reads its queue
+  only once the first token has come on the call, so deltas the inlet delivered sooner wait there.
 """
 
 from __future__ import annotations
@@ -106,10 +108,14 @@ class MuxSender:
     def num_streams(self) -> int:
         return len(self._batchers)
 
+    def token_sent(self, request_id: str) -> None:
+        """The request's first token went on its own call just now: its later deltas are batched
+        from here on (the interval counts from now)."""
+        self._batchers[request_id] = StreamBatcher(self._interval_s, token_sent_at=self._clock())
+
     def add(self, request_id: str, out: RequestOutput) -> None:
         batcher = self._batchers.get(request_id)
-        if batcher is None:
-            # the admission chunk went on the request's own call; the first token still goes at once
+        if batcher is None:  # the first token still goes at once
             batcher = self._batchers[request_id] = StreamBatcher(self._interval_s)
         batcher.add(out)
         self._dirty[request_id] = None

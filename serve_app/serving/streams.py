@@ -5,8 +5,8 @@
   engine on the first item), backpressure and an unavailable replica surface *before* the HTTP status
   is sent, and a stream's headers need not wait for the first token. A replica (or its engine) that dies
   before the first chunk is retried on another replica (`retries` times): nothing reached the client.
-- `MuxedChoiceStream` is the same stream with `stream_multiplexing`: the first chunk comes on the
-  replica call, the rest through the ingress's inlet (`serving.stream_mux`).
+- `MuxedChoiceStream` is the same stream with `stream_multiplexing`: the chunks up to the first
+  token come on the replica call, the rest through the ingress's inlet (`serving.stream_mux`).
 - `ChoicePump` drains the remaining chunks of every choice in one background task into a queue, so
   the HTTP handler can wait on it with a deadline (cancelling a queue read is always safe) and a
   client disconnect or a timeout cancels the pump, which cancels the replica calls, which aborts the
@@ -144,6 +144,15 @@ class MuxedChoiceStream(ChoiceStream):
             self._queue.put_nowait(exc)
 
     async def rest(self) -> AsyncIterator[GenerationChunk]:
+        # up to the first token on the call; whatever the inlet delivers meanwhile waits in the queue
+        token = False
+        while not self.finished and not token:
+            try:
+                chunk = await self._response.__anext__()
+            except StopAsyncIteration:
+                raise APIError(500, "the model replica ended the stream before finishing", code="engine_error") from None
+            token = bool(chunk.token_ids)
+            yield self._check(chunk)
         if not self.finished:
             self._receiver.keep(asyncio.ensure_future(self._watch_call()))
         while not self.finished:

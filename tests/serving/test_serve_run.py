@@ -4,58 +4,19 @@
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 import openai
-import psutil
 import pytest
 import yaml
 
 from tests.serving.conftest import MODEL_NAME, REPO, free_port, wait_for
+from tests.serving.serve_process import start_serve_run, stop_serve_run, wait_until_answering
 
-SERVE_BIN = Path(sys.executable).with_name("serve")
-READY_TIMEOUT_S = 180  # the README promises < 60 s on an idle 2-core machine; CI machines are noisy
 pytestmark = pytest.mark.startup(reason="starts `serve run` (a Ray cluster and the app) in a subprocess within a bound")
-
-
-def _stop(proc: subprocess.Popen, timeout_s: float = 60) -> None:
-    """Ctrl-C first (serve run shuts Serve down and exits), then escalate, our processes only."""
-    tree = [proc] + proc_children(proc)
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=30)
-    deadline = time.monotonic() + 30
-    leftovers = [p for p in tree[1:] if _alive(p)]
-    while leftovers and time.monotonic() < deadline:
-        time.sleep(0.5)
-        leftovers = [p for p in leftovers if _alive(p)]
-    for p in leftovers:  # Ray's own processes of this instance, if any outlived the driver
-        p.kill()
-    assert not leftovers, f"processes left running after Ctrl-C: {[p.pid for p in leftovers]}"
-
-
-def proc_children(proc: subprocess.Popen) -> list:
-    try:
-        return psutil.Process(proc.pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        return []
-
-
-def _alive(p) -> bool:
-    try:
-        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 def test_makefile_serve_target_runs_the_local_config():
@@ -77,24 +38,11 @@ def local_config(tmp_path) -> tuple[Path, int]:
 def test_serve_run_local_config(local_config, tmp_path):
     config_path, port = local_config
     base = f"http://127.0.0.1:{port}"
-    # as `make serve` (loopback only, every replica's log lines shown), on a fresh Ray instance
-    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_DEDUP_LOGS": "0", "RAY_ADDRESS": "local"}
-    env.pop("SERVE_APP_API_KEY", None)
     log_path = tmp_path / "serve.log"
     start = time.monotonic()
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([str(SERVE_BIN), "run", str(config_path)], cwd=REPO, env=env, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+    proc = start_serve_run(config_path, REPO, log_path, SERVE_APP_API_KEY="")  # the open API the README shows
     try:
-        def ready():
-            if proc.poll() is not None:
-                raise AssertionError(f"serve run exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}")
-            try:
-                return httpx.get(f"{base}/v1/models", timeout=5).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        wait_for(ready, READY_TIMEOUT_S, interval_s=0.5, message=f"serve run to answer on {base}")
+        wait_until_answering(proc, f"{base}/v1/models", log_path)
         ready_s = time.monotonic() - start
         print(f"serve run configs/local.yaml ready in {ready_s:.1f} s")
 
@@ -115,6 +63,6 @@ def test_serve_run_local_config(local_config, tmp_path):
         wait_for(lambda: log_path.read_text().count("LLMServer replica ready") >= 2, 120, message="both replicas")
         print(f"both replicas ready after {time.monotonic() - start:.1f} s")
     finally:
-        _stop(proc)
+        stop_serve_run(proc)
     with pytest.raises(httpx.HTTPError):
         httpx.get(f"{base}/v1/models", timeout=5)

@@ -140,3 +140,105 @@ def test_an_inlet_stream_call_ends_after_its_items_and_the_next_gets_the_rest():
         return first, second
 
     assert asyncio.run(main()) == ([[b"\x00", b"\x01", b"\x02"]], [[b"late"]])
+
+
+class _Call:
+    """A fake replica call (Serve's streaming response): yields `chunks`, each once `release` is set."""
+
+    def __init__(self, chunks: list[GenerationChunk], release: asyncio.Event) -> None:
+        self._chunks, self._release = list(chunks), release
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> GenerationChunk:
+        if not self._chunks:
+            await asyncio.Event().wait()  # the call stays open until the request ends
+        if len(self._chunks) == 1:  # the first token waits: the inlet's deltas get ahead of it
+            await self._release.wait()
+        return self._chunks.pop(0)
+
+    def cancel(self) -> None:
+        pass
+
+
+class _Handle:
+    def __init__(self, call: _Call) -> None:
+        self.call = call
+
+    def options(self, **_):
+        return self
+
+    @property
+    def generate_muxed(self):
+        return self
+
+    def remote(self, *_):
+        return self.call
+
+
+class _Receiver:
+    address = "inlet"
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+    def register(self, _request_id):
+        return self.queue
+
+    def unregister(self, _request_id):
+        pass
+
+    def keep(self, _task):
+        pass
+
+
+def test_the_first_token_comes_on_the_call_and_keeps_its_place_ahead_of_the_inlet():
+    """The replica sends the admission chunk and the first token on the request's call (one hop),
+    later deltas through the inlet (two hops): deltas the inlet delivers before the first token
+    arrives wait, and the stream reads in the engine's order."""
+    from serve_app.serving.streams import MuxedChoiceStream
+    from serve_app.types import GenerateRequest
+
+    def chunk(token: int | None, finished: bool = False) -> GenerationChunk:
+        tokens = () if token is None else (token,)
+        return GenerationChunk("" if token is None else f"<{token}>", tokens, finished, "length" if finished else None, 5)
+
+    async def main():
+        release = asyncio.Event()
+        receiver = _Receiver()
+        stream = MuxedChoiceStream(_Handle(_Call([chunk(None), chunk(1)], release)), GenerateRequest("r", prompt="hi"),
+                                   receiver)
+        admission = await stream.start()
+        receiver.queue.put_nowait(chunk(2))  # through the inlet, ahead of the first token
+        receiver.queue.put_nowait(chunk(3, finished=True))
+        asyncio.get_running_loop().call_later(0.01, release.set)
+        return admission, [c.token_ids async for c in stream.rest()]
+
+    admission, rest = asyncio.run(main())
+    assert admission.token_ids == ()
+    assert rest == [(1,), (2,), (3,)]
+
+
+def test_after_a_token_sent_on_the_call_the_next_delta_waits_for_the_interval():
+    """`token_sent`: the stream's first token went on its call, so its next delta is batched (not
+    sent at once as a first token would be); the finish still goes at once."""
+
+    async def main():
+        pushes = Pushes()
+        sender = MuxSender(pushes, interval_s=0.05)
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        sender.token_sent("r")
+        sender.add("r", out("r", 2))
+        await asyncio.sleep(0.02)
+        early = list(pushes.batches)
+        await asyncio.sleep(0.06)
+        sender.add("r", out("r", 3, finished=True))
+        await asyncio.sleep(0)
+        return start, early, pushes
+
+    start, early, pushes = asyncio.run(main())
+    assert early == []
+    assert len(pushes.batches) == 2 and pushes.batches[0][0] - start >= 0.045
+    assert pushes.tokens("r") == [2, 3]
