@@ -248,7 +248,7 @@ def run_variant(direct: DirectTarget, serve_args: dict[str, Any], opts, vocab: i
     try:  # warm-up: first requests pay one-time costs
         LOOP.run_until_complete(measure_ttft((direct, serve_target), random_prompts(2, opts.prompt_len, vocab, seed=1)))
         for repeat in range(opts.repeats):
-            run: dict[str, Any] = {"repeat": repeat, "ttft": {}, "throughput": {},
+            run: dict[str, Any] = {"repeat": repeat, "throughput": {},
                                    "hops": LOOP.run_until_complete(serve_target.hop_latency())}
             order = (direct, serve_target) if repeat % 2 == 0 else (serve_target, direct)
             # new prompts every repeat (as below): TTFT at low load includes the prompt's prefill

@@ -4,8 +4,9 @@ The CPU decode kernel reads each request's K/V blocks wherever the block table s
 4 KiB pages nearly every block read starts with a TLB miss and a page walk. Advised as huge pages
 (`madvise(MADV_HUGEPAGE)`, which the kernel honours when transparent huge pages are set to `always`
 or `madvise`), one 2 MiB page holds many blocks (340 of SmolLM2's 6 KiB per layer and K or V; 64 of
-a model with 8 KV heads of 128 dimensions), and the same decode attention ran 18% faster on this project's 2-core machine (19.5 -> 16 ms for 30 layers at batch 64,
-context 192; block tables shuffled as after a long run). Elsewhere (other systems, THP off) the
+a model with 8 KV heads of 128 dimensions), and the same decode attention ran 18% faster on this
+project's 2-core machine (19.5 -> 16 ms for 30 layers at batch 64, context 192; block tables
+shuffled as after a long run). Elsewhere (other systems, THP off) the
 advice is a no-op and the tensors are ordinary memory.
 """
 

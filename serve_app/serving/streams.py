@@ -101,14 +101,21 @@ class ChoiceStream:
                 raise APIError(503, "the request was aborted by the server; retry", code="aborted", headers={"Retry-After": "1"})
         return chunk
 
-    async def rest(self) -> AsyncIterator[GenerationChunk]:
+    def rest(self) -> AsyncIterator[GenerationChunk]:
         """The chunks after the first one."""
+        return self._from_call()
+
+    async def _from_call(self, until_token: bool = False) -> AsyncIterator[GenerationChunk]:
+        """The replica call's next chunks until the request finishes (`until_token`: or until one
+        carries a token)."""
         while not self.finished:
             try:
                 chunk = await self._response.__anext__()
             except StopAsyncIteration:
                 raise APIError(500, "the model replica ended the stream before finishing", code="engine_error") from None
             yield self._check(chunk)
+            if until_token and chunk.token_ids:
+                return
 
     def _cancel(self) -> None:
         if self._response is not None:
@@ -145,14 +152,8 @@ class MuxedChoiceStream(ChoiceStream):
 
     async def rest(self) -> AsyncIterator[GenerationChunk]:
         # up to the first token on the call; whatever the inlet delivers meanwhile waits in the queue
-        token = False
-        while not self.finished and not token:
-            try:
-                chunk = await self._response.__anext__()
-            except StopAsyncIteration:
-                raise APIError(500, "the model replica ended the stream before finishing", code="engine_error") from None
-            token = bool(chunk.token_ids)
-            yield self._check(chunk)
+        async for chunk in self._from_call(until_token=True):
+            yield chunk
         if not self.finished:
             self._receiver.keep(asyncio.ensure_future(self._watch_call()))
         while not self.finished:
