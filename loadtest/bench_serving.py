@@ -75,15 +75,19 @@ class DirectTarget:
         self.engine = AsyncLLMEngine.from_kwargs(model, **engine_kwargs)
         self._ids = 0
 
-    async def stream(self, prompt: list[int], max_tokens: int) -> tuple[float, int]:
+    async def stream(self, prompt: list[int], max_tokens: int, arrivals: list[float] | None = None) -> tuple[float, int]:
+        """(TTFT, output tokens) of one request; `arrivals` gets the time of every delta with tokens."""
         from serve_app.types import GenerateRequest, SamplingParams
 
         self._ids += 1
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         start, ttft, tokens = time.perf_counter(), None, 0
         async for out in self.engine.generate(GenerateRequest(f"bench-{self._ids}", prompt=prompt, sampling_params=params)):
-            if ttft is None and out.token_ids:
-                ttft = time.perf_counter() - start
+            if out.token_ids:
+                now = time.perf_counter()
+                ttft = now - start if ttft is None else ttft
+                if arrivals is not None:
+                    arrivals.append(now)
             tokens += len(out.token_ids)
         return ttft, tokens
 
@@ -168,6 +172,15 @@ def _serve_processes() -> dict[str, list[psutil.Process]]:
     return groups
 
 
+def steal_share(before: Any, after: Any) -> float:
+    """Share of the machine's CPU time the hypervisor gave to other guests between two
+    `psutil.cpu_times()` (0 on bare metal): on a shared host a run with steal is slower for reasons
+    outside this benchmark."""
+    spent = {field: getattr(after, field) - getattr(before, field) for field in after._fields}
+    total = sum(spent.values())
+    return spent.get("steal", 0.0) / total if total > 0 else 0.0
+
+
 def _cpu(proc: psutil.Process) -> float:
     try:
         t = proc.cpu_times()
@@ -226,37 +239,43 @@ async def measure_ttft(targets: tuple, prompts: list[list[int]]) -> dict[str, di
 
 
 async def measure_throughput(target, prompts: list[list[int]], output_len: int) -> dict[str, Any]:
-    cpu_before = target.cpu_seconds()
+    cpu_before, machine_before = target.cpu_seconds(), psutil.cpu_times()
+    arrivals: list[list[float]] = [[] for _ in prompts]  # per stream: when each token-carrying event came
     start = time.perf_counter()
-    results = await asyncio.gather(*(target.stream(p, output_len) for p in prompts))
+    results = await asyncio.gather(*(target.stream(p, output_len, a) for p, a in zip(prompts, arrivals, strict=True)))
     elapsed = time.perf_counter() - start
-    cpu_after = target.cpu_seconds()
+    cpu_after, steal = target.cpu_seconds(), steal_share(machine_before, psutil.cpu_times())
     tokens = sum(t for _, t in results)
     expected = len(prompts) * output_len
     if tokens != expected:
         raise RuntimeError(f"{target.name}: {tokens} output tokens, expected {expected}")
     ttfts = [t for t, _ in results]
+    # from a stream's second event on: the gap before it spans the other streams' prefill steps
+    gaps = [b - a for times in arrivals for a, b in itertools.pairwise(times[1:])]
     cpu_ms = {group: 1000 * (cpu_after[group] - cpu_before[group]) / tokens for group in cpu_after}
     return {"output_tok_s": tokens / elapsed, "elapsed_s": elapsed, "output_tokens": tokens,
             "ttft_p50_s": statistics.median(ttfts), "ttft_p99_s": pct(ttfts, 0.99),
+            "itl_p50_s": pct(gaps, 0.5), "itl_p99_s": pct(gaps, 0.99), "events_per_token": sum(map(len, arrivals)) / tokens, "steal_share": steal,
             "cpu_ms_per_token": cpu_ms, "cpu_ms_per_token_total": sum(cpu_ms.values())}
 
 
-def run_variant(direct: DirectTarget, serve_args: dict[str, Any], opts, vocab: int) -> dict[str, Any]:
+def run_variant(direct: DirectTarget, serve_args: dict[str, Any], opts, vocab: int, seed_base: int) -> dict[str, Any]:
+    """Serve vs direct for one deployment. `seed_base` must differ per variant: the direct engine
+    lives across variants, and prompts another variant used could still be in its prefix cache."""
     serve_target = ServeTarget(serve_args)
     runs: list[dict[str, Any]] = []
     try:  # warm-up: first requests pay one-time costs
-        LOOP.run_until_complete(measure_ttft((direct, serve_target), random_prompts(2, opts.prompt_len, vocab, seed=1)))
+        LOOP.run_until_complete(measure_ttft((direct, serve_target), random_prompts(2, opts.prompt_len, vocab, seed=seed_base + 1)))
         for repeat in range(opts.repeats):
             run: dict[str, Any] = {"repeat": repeat, "throughput": {},
                                    "hops": LOOP.run_until_complete(serve_target.hop_latency())}
             order = (direct, serve_target) if repeat % 2 == 0 else (serve_target, direct)
             # new prompts every repeat (as below): TTFT at low load includes the prompt's prefill
             run["ttft"] = LOOP.run_until_complete(measure_ttft(
-                order, random_prompts(opts.ttft_requests, opts.prompt_len, vocab, seed=2 + repeat)))
+                order, random_prompts(opts.ttft_requests, opts.prompt_len, vocab, seed=seed_base + 2 + repeat)))
             for concurrency in opts.concurrency:
                 # new prompts every repeat: a repeat must not be served from the prefix cache its predecessor filled
-                prompts = random_prompts(concurrency, opts.prompt_len, vocab, seed=100 + concurrency + 1000 * repeat)
+                prompts = random_prompts(concurrency, opts.prompt_len, vocab, seed=seed_base + 100 + concurrency + 1000 * repeat)
                 for target in order:
                     run["throughput"].setdefault(str(concurrency), {})[target.name] = LOOP.run_until_complete(
                         measure_throughput(target, prompts, opts.output_len))
@@ -281,7 +300,9 @@ def summarize(runs: list[dict[str, Any]], concurrency: list[int]) -> dict[str, A
         entry: dict[str, Any] = {}
         for name in ("direct", "serve"):
             entry[name] = spread([r["throughput"][c][name]["output_tok_s"] for r in runs])
-            entry[f"{name}_ttft_p50_s"] = spread([r["throughput"][c][name]["ttft_p50_s"] for r in runs])
+            for key in ("ttft_p50_s", "itl_p50_s", "itl_p99_s", "events_per_token", "steal_share"):
+                if key in runs[0]["throughput"][c][name]:  # reports from before ITL was measured lack it
+                    entry[f"{name}_{key}"] = spread([r["throughput"][c][name][key] for r in runs])
         for name in ("direct", "serve"):
             groups = runs[0]["throughput"][c][name]["cpu_ms_per_token"]
             entry[f"{name}_cpu_ms_per_token"] = {g: spread([r["throughput"][c][name]["cpu_ms_per_token"][g] for r in runs]) for g in groups}
@@ -334,7 +355,7 @@ def write_report(results: dict[str, Any], out_dir: Path) -> None:
                   f"app ready in {v['serve_startup_s']:.1f} s)", "",
                   "| measurement | direct engine | through Ray Serve | Serve − / ÷ direct |", "|---|---|---|---|",
                   f"| TTFT p50 at low load (ms) | {fmt(s['ttft']['direct'], 1000)} | {fmt(s['ttft']['serve'], 1000)} | "
-                  f"+{fmt(s['ttft']['overhead_ms'])} ms |",
+                  f"{'+' if s['ttft']['overhead_ms']['median'] >= 0 else ''}{fmt(s['ttft']['overhead_ms'])} ms |",
                   f"| round trip without generation: GET /v1/models (proxy + ingress), ms | – | {fmt(s['hops']['proxy_ingress_ms'])} | |",
                   f"| round trip without generation: GET /health (+ LLMServer replica), ms | – | "
                   f"{fmt(s['hops']['proxy_ingress_replica_ms'])} | |"]
@@ -344,6 +365,16 @@ def write_report(results: dict[str, Any], out_dir: Path) -> None:
         for c, t in s["throughput"].items():
             lines.append(f"| TTFT p50 at {c} streams (ms) | {fmt(t['direct_ttft_p50_s'], 1000, 0)} | "
                          f"{fmt(t['serve_ttft_p50_s'], 1000, 0)} | |")
+        for c, t in s["throughput"].items():
+            if "serve_steal_share" in t:
+                lines.append(f"| CPU time the host took (steal) during the {c}-stream runs, % | "
+                             f"{fmt(t['direct_steal_share'], 100)} | {fmt(t['serve_steal_share'], 100)} | |")
+        for c, t in s["throughput"].items():
+            if "serve_itl_p99_s" in t:
+                lines.append(f"| gap between a stream's events (from its second) p50 / p99 at {c} streams (ms); tokens per event | "
+                             f"{fmt(t['direct_itl_p50_s'], 1000, 0)} / {fmt(t['direct_itl_p99_s'], 1000, 0)}; "
+                             f"{1 / t['direct_events_per_token']['median']:.2f} | {fmt(t['serve_itl_p50_s'], 1000, 0)} / "
+                             f"{fmt(t['serve_itl_p99_s'], 1000, 0)}; {1 / t['serve_events_per_token']['median']:.2f} | |")
         lines += ["", "CPU time per output token (ms; all processes of each target, during the throughput runs; "
                   "this does not depend on what else runs on the machine the way wall-clock rates do):", "",
                   "| streams | direct: engine + client | Serve: " + " | ".join(_groups(s)) + " | Serve total |",
@@ -429,7 +460,11 @@ def _direct_env(results: dict[str, Any]) -> dict[str, str]:
 
 def _streams_label(variant: dict[str, Any]) -> str:
     hops = "direct ingress + Serve throughput mode" if variant.get("profile") == "direct" else "through the proxy"
-    return hops + (", streams multiplexed" if variant.get("multiplexed") else ", one Serve item per delta")
+    label = hops + (", streams multiplexed" if variant.get("multiplexed") else ", one Serve item per delta")
+    if "batch_interval_s" in variant:  # reports from before it was a variant's setting lack it
+        batch = variant["batch_interval_s"]
+        label += f", stream batching {1000 * batch:g} ms" if batch else ", no stream batching"
+    return label
 
 
 def _groups(summary: dict[str, Any]) -> list[str]:
@@ -461,6 +496,8 @@ def main() -> None:
                       help="default: through the HTTP proxy; direct: Serve's throughput settings + direct ingress")
     parser.add_argument("--real-mux", nargs="+", default=["off", "on"], choices=("off", "on"),
                         help="stream_multiplexing values for the real engine")
+    parser.add_argument("--real-batch", type=float, nargs="+", default=None,
+                        help="stream_batch_interval_s values for the real engine (default: the config's)")
     parser.add_argument("--real-profiles", nargs="+", default=list(serving_path.PROFILES), choices=serving_path.PROFILES,
                         help="how the real engine is served (as --null-profiles)")
     parser.add_argument("--anchors", nargs="*", default=list(serving_anchors.ANCHORS), choices=serving_anchors.ANCHORS,
@@ -531,12 +568,15 @@ def main() -> None:
                 for profile in opts.real_profiles:  # each in its own Ray instance, as above
                     env = results["real_profile_env"][profile] = serving_path.profile_env(profile)
                     with _ray_environment(env):
-                        for (replicas, n_threads), mux in itertools.product(
-                                zip(opts.replicas, opts.replica_threads, strict=True), opts.real_mux):
+                        for (replicas, n_threads), mux, batch in itertools.product(
+                                zip(opts.replicas, opts.replica_threads, strict=True), opts.real_mux,
+                                opts.real_batch or [args.get("stream_batch_interval_s", 0.0)]):
                             variant = run_variant(direct, {**args, "num_replicas": replicas, "torch_num_threads": n_threads,
-                                                           "stream_multiplexing": mux == "on"}, opts, vocab)
+                                                           "stream_multiplexing": mux == "on", "stream_batch_interval_s": batch},
+                                                  opts, vocab, seed_base=100_000 * len(results["variants"]))
                             variant["torch_threads_per_replica"] = n_threads or os.cpu_count()
                             variant["profile"] = profile
+                            variant["batch_interval_s"] = batch
                             results["variants"].append(variant)
             finally:
                 direct.close()

@@ -76,9 +76,11 @@ class OpenAIStreams:
             r.raise_for_status()
             await r.read()
 
-    async def stream(self, prompt: list[int], max_tokens: int) -> tuple[float, int]:
+    async def stream(self, prompt: list[int], max_tokens: int, arrivals: list[float] | None = None) -> tuple[float, int]:
+        """(TTFT, completion tokens); `arrivals` gets the time of every event that carries text."""
         start, ttft, tokens, buffer = time.perf_counter(), None, 0, b""
         async for raw in self.reads(prompt, max_tokens):
+            now = time.perf_counter()
             *lines, buffer = (buffer + raw).split(b"\n")
             for line in lines:
                 if not line.startswith(b"data: ") or line == b"data: [DONE]":
@@ -87,7 +89,9 @@ class OpenAIStreams:
                 if "error" in payload:
                     raise RuntimeError(f"stream error: {payload['error']}")
                 if ttft is None and payload["choices"]:
-                    ttft = time.perf_counter() - start
+                    ttft = now - start
+                if arrivals is not None and any(c.get("text") for c in payload["choices"]):
+                    arrivals.append(now)
                 if payload.get("usage"):
                     tokens = payload["usage"]["completion_tokens"]
         return ttft, tokens
