@@ -7,7 +7,8 @@ engine through Ray Serve against the same engine called directly, in one run.
    the client counted apart), TTFT and ITL at the client.
 2. Real engine (configs/local.yaml's engine options): TTFT at low load (streamed requests one at a
    time, direct and Serve taking turns), output tok/s at 8/32/64 concurrent streams (128 random
-   prompt tokens, `--output-len` tokens each, ignore_eos, greedy), CPU per output token per process.
+   prompt tokens, `--output-len` tokens each, ignore_eos, greedy), CPU per output token per process,
+   the gaps between a stream's events and tokens per event, the host's CPU steal during each run.
    Direct: `AsyncLLMEngine.generate` in this process. Serve: POST /v1/completions (stream) → proxy →
    OpenAIIngress → LLMServer → SSE. Repeats are interleaved (direct, then Serve, alternating order)
    so that a change in machine load hits both alike; ratios are taken per repeat and reported as
