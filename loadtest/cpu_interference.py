@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import multiprocessing as mp
 import os
 import statistics
@@ -56,7 +57,7 @@ def main() -> None:
 
     args = yaml.safe_load((REPO / "configs/local.yaml").read_text())["applications"][0]["args"]
     model = resolve_model_path(args["model"])
-    vocab = 49152
+    vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
     engine = DirectTarget(model, dict(args["engine"]))
     seeds = iter(range(10_000))
 
