@@ -72,7 +72,7 @@ class OpenAIAPI:
         self.config = config
         self.info = info
         self.input_processor = input_processor  # serve_app.engine.input_processor.InputProcessor, or None
-        self.mux = mux  # this ingress's inlet with stream multiplexing, else None
+        self.mux = mux  # this ingress's stream channel with stream multiplexing, else None
 
     def _stream(self, request: GenerateRequest, call_suffix: str) -> ChoiceStream:
         retries = self.config.replica_failure_retries

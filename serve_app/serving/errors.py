@@ -30,6 +30,7 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, 
 from starlette.responses import Response
 
 from serve_app.backends.base import BackendDeadError
+from serve_app.serving.delta_channel import ChannelClosed
 from serve_app.serving.openai_protocol import UnsupportedParameterError
 
 logger = logging.getLogger(__name__)
@@ -84,7 +85,7 @@ def is_replica_failure(exc: BaseException) -> bool:
 def is_retriable(exc: BaseException) -> bool:
     """Safe to send again to another replica if nothing was streamed yet: the replica is gone, or its
     engine died (Serve replaces it after its next failed health check)."""
-    return is_replica_failure(exc) or isinstance(unwrap(exc), BackendDeadError)
+    return is_replica_failure(exc) or isinstance(unwrap(exc), BackendDeadError | ChannelClosed)
 
 
 def invalid_value(exc: ValueError, param_aliases: dict[str, str] | None = None) -> APIError:
@@ -141,6 +142,9 @@ def to_api_error(exc: BaseException, *, retry_after_s: int = 1, param_aliases: d
         return invalid_value(exc, param_aliases)
     if isinstance(exc, BackPressureError):
         return overloaded(retry_after_s)
+    if isinstance(exc, ChannelClosed):
+        return APIError(503, "the model replica lost its connection to this server; retry", code="replica_unavailable",
+                        headers={"Retry-After": str(retry_after_s)})
     if isinstance(exc, RayActorError | ReplicaUnavailableError | DeploymentUnavailableError):
         return APIError(503, "the model replica serving this request became unavailable; retry", code="replica_unavailable",
                         headers={"Retry-After": str(retry_after_s)})

@@ -5,7 +5,7 @@ lives in module globals. The constructor waits until an LLMServer replica answer
 so a RUNNING ingress means the API can serve; it then logs the URL clients use. With
 `tokenize_in_ingress` it loads the model's tokenizer through the engine's own `InputProcessor`, and
 prompts are tokenized here, once (the router hashes those ids; replicas do not tokenize again).
-With `stream_multiplexing` it starts this replica's stream inlet (`serving.stream_mux`).
+With `stream_multiplexing` it opens this replica's stream channel (`serving.stream_mux`).
 
 The API key is read here, in the replica's own process, from the environment variable the config
 names (`api_key_env`): it never travels as a deployment argument, which Serve would keep in its
@@ -19,6 +19,8 @@ import logging
 import os
 from pathlib import Path
 
+import ray
+import ray.util
 from fastapi import FastAPI
 from ray import serve
 from ray.serve.handle import DeploymentHandle
@@ -55,7 +57,9 @@ class OpenAIIngress:
     async def __init__(self, llm: DeploymentHandle, config: ServeConfig) -> None:
         self._api_key = api_key_from_env(config.api_key_env)
         info = await llm.model_info.remote()
-        mux = MuxReceiver().start() if config.stream_multiplexing else None
+        mux = None
+        if config.stream_multiplexing:
+            mux = await MuxReceiver().start(ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address())
         self.api = OpenAIAPI(llm, config, info, make_input_processor(config, info.max_model_len), mux)
         logger.info("OpenAI-compatible API ready: model %r (context %d tokens, backend %s)",
                     info.name, info.max_model_len, info.backend)

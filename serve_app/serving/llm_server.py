@@ -5,8 +5,8 @@ Called only through a `DeploymentHandle` (from `OpenAIIngress`):
   compact deltas made from the backend's `RequestOutput`s. Invalid input raises `ValueError`
   ("field: ...") on the first item; else the first item is an empty chunk confirming admission;
   cancelling the call (client disconnect) aborts the request in the engine and frees its KV blocks.
-- `generate_muxed(request, inlet)`: the same, except that the chunks after the admission chunk go
-  to the calling ingress's inlet, multiplexed with its other streams (`serving.stream_mux`).
+- `generate_muxed(request, channel)`: the same, except that the chunks after the first token go
+  over the calling ingress's channel, multiplexed with its other streams (`serving.stream_mux`).
 - `model_info()` → `ModelInfo` (served name, context length).
 - Ray Serve calls `record_routing_stats()` every `request_routing_stats_period_s` and hands the dict
   (`kv_cache_usage`, `num_free_blocks`, `num_total_blocks`, `num_waiting`, `num_running`,
@@ -36,17 +36,19 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
+import ray
 from ray import serve
 
 from serve_app.backends import Backend, BackendDeadError, ModelInfo, make_backend
 from serve_app.block_hash import prompt_block_keys
 from serve_app.config import ServeConfig
 from serve_app.metrics.loggers import RayStatLogger
+from serve_app.serving.delta_channel import ChannelAddress
 from serve_app.serving.drain import shutdown_probe
 from serve_app.serving.heap_trim import IdleHeapTrimmer
 from serve_app.serving.pending_prefixes import PendingPrefixes
 from serve_app.serving.stream_batching import GenerationChunk, batch_stream
-from serve_app.serving.stream_mux import InletAddress, InletSenders
+from serve_app.serving.stream_mux import ChannelSenders
 from serve_app.types import GenerateRequest
 
 __all__ = ["GenerationChunk", "LLMServer", "batch_stream"]
@@ -124,7 +126,8 @@ class LLMServer:
         self._pending = PendingPrefixes(config.kv_block_size)  # prompts not yet prefilled (routers read them)
         self._heap = IdleHeapTrimmer()
         self._cut: set[str] = set()  # requests the drain cancelled (their streams end with an abort chunk)
-        self._senders = InletSenders(config.stream_batch_interval_s)  # multiplexed streams, per ingress
+        # multiplexed streams, per ingress
+        self._senders = ChannelSenders(config.stream_batch_interval_s, ray.get_runtime_context().get_node_id())
         self._drain_task = asyncio.get_running_loop().create_task(self._drain_on_shutdown())
         logger.info("LLMServer replica ready: model %s, context %d tokens, torch threads %s",
                     self._info.name, self._info.max_model_len, threads or "n/a")
@@ -142,13 +145,14 @@ class LLMServer:
                     raise  # the caller went away
                 yield tally.cut(request)
 
-    async def generate_muxed(self, request: GenerateRequest, inlet: InletAddress) -> AsyncIterator[GenerationChunk]:
+    async def generate_muxed(self, request: GenerateRequest, channel: ChannelAddress) -> AsyncIterator[GenerationChunk]:
         """`generate` with stream multiplexing (serving.stream_mux): the admission chunk and every
-        delta up to the first token come on this call; every later delta goes to `inlet`, the
+        delta up to the first token come on this call; every later delta goes over `channel` to the
         caller's ingress, together with that ingress's other streams. The call stays open while the
-        request runs and ends with it (a stream the drain cut ends with its abort chunk here)."""
+        request runs and ends with it (a stream the drain cut ends with its abort chunk here); it
+        fails if the channel does, so the ingress never waits for deltas that cannot come."""
         request = self._arrived(request)
-        sender = self._senders.get(inlet)
+        sender = await self._senders.get(channel)
         with self._tracked(request) as tally:
             try:
                 async with contextlib.aclosing(self.backend.generate(request)) as outputs:
@@ -156,12 +160,18 @@ class LLMServer:
                     async for out in outputs:  # the first is the admission delta; invalid input raises there
                         tally.add(len(out.token_ids), out.finish_reason)
                         if token_sent:
+                            sender.check()
                             sender.add(request.request_id, out)
                             continue
                         yield GenerationChunk.from_output(out)
                         if out.token_ids and not out.finished:
                             token_sent = True
                             sender.token_sent(request.request_id)
+                if token_sent:
+                    # the finish is due at once: its flush is already queued on the loop and runs
+                    # before this resumes, so a channel that failed then fails this call
+                    await asyncio.sleep(0)
+                    sender.check()
             except BaseException as exc:  # cancelled (caller gone or the drain cut it) or failed: drop what is pending
                 sender.forget(request.request_id)
                 if not isinstance(exc, asyncio.CancelledError) or request.request_id not in self._cut:

@@ -1,25 +1,25 @@
-"""Stream multiplexing: every delta an LLMServer replica owes one ingress replica travels in one Ray
-message per flush, instead of one Serve streaming item per stream.
+"""Stream multiplexing: every delta an LLMServer replica owes one ingress replica travels in one
+frame per flush over a direct connection, instead of one Serve streaming item per stream.
 
 Each Serve streaming item costs CPU in the replica, Ray's core and the ingress (docs/serving-path.md),
 so with one item per stream the replica → ingress hop costs per token. Multiplexed
 (`ServeConfig.stream_multiplexing`):
 
-- each ingress replica owns a `DeltaInlet`, a small Ray actor on its node (not a Serve deployment,
-  so Serve's admission limits never hold it back; it dies with the ingress that owns it), and reads
-  it through one Ray streaming call (`MuxReceiver`);
+- each ingress replica listens on its own authenticated TCP channel (`serving.delta_channel`,
+  `MuxReceiver`); its address and secret travel with every request it sends;
 - a request still goes to an LLMServer replica as a Serve call (`generate_muxed`), routed by the
   router as usual: that call returns the admission chunk (invalid input, backpressure and failures
-  surface there, before any byte is sent) and then the first token (one hop to the ingress, where
-  the inlet would take two: time to first token), stays open while the request runs (cancelling it
-  aborts the request in the engine, as before) and ends with it; a replica that dies fails the call;
-- the replica hands every later delta to the `MuxSender` of that request's inlet, which merges each
-  stream's deltas with the same `StreamBatcher` rules as unmultiplexed streams (first token and
-  finish at once; nothing held longer than `stream_batch_interval_s`) and pushes everything due,
-  for all of that ingress's streams, as one encoded batch;
-- the receiver hands each chunk to its request's queue. One replica pushes to one inlet in order and
-  the inlet streams in order, so a request's chunks arrive in order; the ingress reads its queue
-  only once the first token has come on the call, so deltas the inlet delivered sooner wait there.
+  surface there, before any byte is sent) and then the first token (time to first token: no wait
+  for a connection or a flush), stays open while the request runs (cancelling it aborts the request
+  in the engine, as before) and ends with it; a replica that dies fails the call;
+- the replica hands every later delta to the `MuxSender` of that request's ingress, which merges
+  each stream's deltas with the same `StreamBatcher` rules as unmultiplexed streams (first token
+  and finish at once; nothing held longer than `stream_batch_interval_s`) and writes everything
+  due, for all of that ingress's streams, as one frame on its connection; a connection that fails
+  fails the calls of every stream on it;
+- the receiver hands each chunk to its request's queue. A replica writes to one connection in
+  order, so a request's chunks arrive in order; the ingress reads its queue only once the first
+  token has come on the call, so deltas that arrived sooner wait there.
 """
 
 from __future__ import annotations
@@ -28,19 +28,18 @@ import asyncio
 import logging
 import pickle
 import time
-import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
+from serve_app.serving.delta_channel import ChannelAddress, ChannelSender, ChannelServer
 from serve_app.serving.stream_batching import GenerationChunk, StreamBatcher
 from serve_app.types import RequestOutput
 
 logger = logging.getLogger("ray.serve")
 
 def encode_batch(items: list[tuple[str, GenerationChunk]]) -> bytes:
-    """(request id, chunk) pairs as bytes: the inlet passes them on without decoding, and plain tuples
-    pickle several times faster than dataclasses."""
+    """(request id, chunk) pairs as one frame (plain tuples pickle several times faster than
+    dataclasses; only frames from authenticated connections are decoded)."""
     return pickle.dumps([(request_id, (c.text, c.token_ids, c.finished, c.finish_reason, c.num_prompt_tokens,
                                        c.num_cached_tokens, c.logprobs)) for request_id, c in items],
                         protocol=pickle.HIGHEST_PROTOCOL)
@@ -50,53 +49,19 @@ def decode_batch(blob: bytes) -> list[tuple[str, GenerationChunk]]:
     return [(request_id, GenerationChunk(*fields)) for request_id, fields in pickle.loads(blob)]
 
 
-@dataclass(frozen=True)
-class InletAddress:
-    """Where a replica finds an ingress's inlet (a named Ray actor)."""
-
-    name: str
-    namespace: str
-
-
-# Items per `DeltaInlet.stream` call. Ray keeps some state per item of a streaming call until the call
-# ends (measured: ~160 bytes in the reader per item, growing without bound over a never-ending
-# call), so the reader ends its call after this many items and opens the next; blobs pushed in
-# between wait in the inlet.
-STREAM_ITEMS_PER_CALL = 10_000
-
-
-class DeltaInlet:
-    """Ray actor (async methods only, so everything runs on its event loop): replicas `push` encoded
-    batches, one reader takes them through `stream` (a Ray streaming generator), oldest first.
-    A `stream` call ends after `max_items` items, never holding blobs it has not yielded."""
-
-    def __init__(self) -> None:
-        self._blobs: list[bytes] = []
-        self._ready = asyncio.Event()
-
-    async def push(self, blob: bytes) -> None:
-        self._blobs.append(blob)
-        self._ready.set()
-
-    async def stream(self, max_items: int = STREAM_ITEMS_PER_CALL):
-        for _ in range(max_items):
-            await self._ready.wait()
-            self._ready.clear()
-            blobs, self._blobs = self._blobs, []
-            yield blobs
-
-
 class MuxSender:
-    """Replica side, one per inlet: merges the deltas of that ingress's streams and pushes what is due.
+    """Replica side, one per ingress: merges the deltas of that ingress's streams and pushes what is due.
 
     `add(request_id, out)` takes a backend delta; everything pending goes in one push as soon as any
     stream's `StreamBatcher` says its deltas are due (sending the others early never breaks their
-    bound). `forget` drops what a cancelled request still had pending. `push` is the inlet's
-    `push.remote` (a fake in tests).
+    bound). `forget` drops what a cancelled request still had pending. `push` is the channel's
+    `send` (a fake in tests); once it raises, `error` holds the exception and `check` raises it, for
+    every stream of this sender: their deltas can no longer reach the ingress.
     """
 
     def __init__(self, push: Callable[[bytes], Any], interval_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         self._push = push
+        self.error: Exception | None = None
         self._interval_s = interval_s
         self._clock = clock
         self._batchers: dict[str, StreamBatcher] = {}
@@ -120,6 +85,10 @@ class MuxSender:
         batcher.add(out)
         self._dirty[request_id] = None
         self._schedule(batcher.deadline())
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise self.error
 
     def forget(self, request_id: str) -> None:
         self._batchers.pop(request_id, None)
@@ -151,41 +120,39 @@ class MuxSender:
             if chunk.finished:
                 del self._batchers[request_id]
         self._dirty.clear()
-        if items:
-            self._push(encode_batch(items))
+        if items and self.error is None:
+            try:
+                self._push(encode_batch(items))
+            except Exception as exc:  # noqa: BLE001 - raised to each stream by `check`
+                logger.warning("stream channel to the ingress failed (%r); ending its %d stream(s)", exc, len(self._batchers))
+                self.error = exc
 
 
 class MuxReceiver:
-    """Ingress side: owns this ingress replica's inlet and hands each chunk to its request's queue.
+    """Ingress side: listens on this ingress replica's channel and hands each chunk to its
+    request's queue.
 
-    `register(request_id)` returns the queue the request's chunks (or an exception that ends the
-    stream) arrive on; `unregister` drops it (chunks that still arrive for it are discarded).
-    `keep(task)` holds a background task until it is done (asyncio keeps only weak references).
+    `register(request_id)` returns the queue the request's chunks arrive on; `unregister` drops it
+    (chunks that still arrive for it are discarded). `keep(task)` holds a background task until it
+    is done (asyncio keeps only weak references).
     """
 
     def __init__(self) -> None:
-        self.address: InletAddress | None = None
-        self._inlet: Any = None
+        self.address: ChannelAddress | None = None
+        self._server = ChannelServer(self._on_frame)
         self._queues: dict[str, asyncio.Queue] = {}
-        self._task: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
 
-    def start(self) -> MuxReceiver:
-        self._spawn()
-        self._task = asyncio.get_running_loop().create_task(self._run())
+    async def start(self, node_id: str, node_ip: str) -> MuxReceiver:
+        """Listen on loopback and on `node_ip`, the address of node `node_id` (Ray's)."""
+        self.address = await self._server.start(node_id, node_ip)
         return self
 
-    def _spawn(self) -> None:
-        import ray
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-        context = ray.get_runtime_context()
-        self.address = InletAddress(f"serve_app_inlet_{uuid.uuid4().hex}", context.namespace)
-        # on this node, owned by this replica's actor: Ray kills it when the ingress replica dies
-        self._inlet = ray.remote(DeltaInlet).options(
-            name=self.address.name, namespace=self.address.namespace, num_cpus=0, max_concurrency=1000,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(context.get_node_id(), soft=False),
-        ).remote()
+    def _on_frame(self, frame: bytes) -> None:
+        for request_id, chunk in decode_batch(frame):
+            queue = self._queues.get(request_id)
+            if queue is not None:
+                queue.put_nowait(chunk)
 
     def register(self, request_id: str) -> asyncio.Queue:
         queue = self._queues[request_id] = asyncio.Queue()
@@ -198,37 +165,27 @@ class MuxReceiver:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _run(self) -> None:
-        while True:
-            try:
-                # each call ends after STREAM_ITEMS_PER_CALL items; the loop opens the next
-                async for ref in self._inlet.stream.options(num_returns="streaming").remote():
-                    for blob in await ref:
-                        for request_id, chunk in decode_batch(blob):
-                            queue = self._queues.get(request_id)
-                            if queue is not None:
-                                queue.put_nowait(chunk)
-            except Exception as exc:  # noqa: BLE001 - the inlet failed: end its streams, start another
-                logger.exception("stream inlet failed; ending %d stream(s)", len(self._queues))
-                for queue in self._queues.values():
-                    queue.put_nowait(exc)
-                await asyncio.sleep(0.5)
-                self._spawn()
 
+class ChannelSenders:
+    """Replica side: the `MuxSender` of each ingress this replica has had streams for, over one
+    connection each (kept: connected once, not per request). A sender whose connection failed is
+    replaced by a new connection on the next `get`."""
 
-class InletSenders:
-    """Replica side: the `MuxSender` of each ingress inlet this replica has had streams for (one per
-    ingress replica it has served: kept, so the inlet is looked up once, not on every burst)."""
-
-    def __init__(self, interval_s: float) -> None:
+    def __init__(self, interval_s: float, node_id: str) -> None:
         self._interval_s = interval_s
-        self._senders: dict[InletAddress, MuxSender] = {}
+        self._node_id = node_id  # this replica's node (Ray's id): same node, loopback
+        self._senders: dict[ChannelAddress, asyncio.Task[MuxSender]] = {}
 
-    def get(self, address: InletAddress) -> MuxSender:
-        sender = self._senders.get(address)
-        if sender is None:
-            import ray
+    async def get(self, address: ChannelAddress) -> MuxSender:
+        """The sender for `address`; raises `ChannelClosed` when the ingress cannot be reached."""
+        task = self._senders.get(address)
+        if task is not None and task.done() and (task.exception() is not None or task.result().error is not None):
+            task = None  # failed: connect again
+        if task is None:
+            # concurrent requests from one ingress share one connection attempt
+            task = self._senders[address] = asyncio.ensure_future(self._connect(address))
+        return await asyncio.shield(task)
 
-            inlet = ray.get_actor(address.name, namespace=address.namespace)
-            sender = self._senders[address] = MuxSender(inlet.push.remote, self._interval_s)
-        return sender
+    async def _connect(self, address: ChannelAddress) -> MuxSender:
+        channel = await ChannelSender.connect(address, self._node_id)
+        return MuxSender(channel.send, self._interval_s)

@@ -6,7 +6,7 @@
   is sent, and a stream's headers need not wait for the first token. A replica (or its engine) that dies
   before the first chunk is retried on another replica (`retries` times): nothing reached the client.
 - `MuxedChoiceStream` is the same stream with `stream_multiplexing`: the chunks up to the first
-  token come on the replica call, the rest through the ingress's inlet (`serving.stream_mux`).
+  token come on the replica call, the rest over the ingress's channel (`serving.stream_mux`).
 - `ChoicePump` drains the remaining chunks of every choice in one background task into a queue, so
   the HTTP handler can wait on it with a deadline (cancelling a queue read is always safe) and a
   client disconnect or a timeout cancels the pump, which cancels the replica calls, which aborts the
@@ -32,6 +32,11 @@ from serve_app.serving.stream_mux import MuxReceiver
 from serve_app.types import GenerateRequest
 
 _DONE = object()
+_CALL_ENDED = object()  # a multiplexed stream's replica call ended without an error
+
+# How long a multiplexed stream waits for its last chunks once its replica call has ended: the
+# replica ends the call right after writing them, so they are normally there within milliseconds.
+LAST_CHUNKS_TIMEOUT_S = 10.0
 
 
 @contextlib.contextmanager
@@ -129,10 +134,12 @@ class ChoiceStream:
 
 
 class MuxedChoiceStream(ChoiceStream):
-    """A `ChoiceStream` whose chunks after the first come through this ingress's inlet
+    """A `ChoiceStream` whose chunks after the first token come over this ingress's channel
     (`serving.stream_mux`). The replica call stays open until the request ends: it fails if the
-    replica does (that error ends the stream), and a stream the replica's drain cut gets its abort
-    chunk on it; cancelling it (`close`) aborts the request, as without multiplexing."""
+    replica or its channel does (that error ends the stream), and a stream the replica's drain cut
+    gets its abort chunk on it; cancelling it (`close`) aborts the request, as without multiplexing.
+    A call that ended while the stream still misses its last chunks ends the stream with an error
+    after `LAST_CHUNKS_TIMEOUT_S`, never a hang."""
 
     def __init__(self, handle: Any, request: GenerateRequest, receiver: MuxReceiver, retries: int = 1,
                  call_suffix: str = "") -> None:
@@ -149,15 +156,25 @@ class MuxedChoiceStream(ChoiceStream):
                 self._queue.put_nowait(chunk)
         except Exception as exc:  # noqa: BLE001 - handed to the reader, which raises it
             self._queue.put_nowait(exc)
+        else:
+            self._queue.put_nowait(_CALL_ENDED)
 
     async def rest(self) -> AsyncIterator[GenerationChunk]:
-        # up to the first token on the call; whatever the inlet delivers meanwhile waits in the queue
+        # up to the first token on the call; whatever the channel delivers meanwhile waits in the queue
         async for chunk in self._from_call(until_token=True):
             yield chunk
         if not self.finished:
             self._receiver.keep(asyncio.ensure_future(self._watch_call()))
+        call_ended = False
         while not self.finished:
-            item = await self._queue.get()
+            try:
+                item = await (asyncio.wait_for(self._queue.get(), LAST_CHUNKS_TIMEOUT_S) if call_ended else self._queue.get())
+            except TimeoutError:
+                raise APIError(500, "the model replica finished the request but its last chunks never arrived",
+                               code="engine_error") from None
+            if item is _CALL_ENDED:
+                call_ended = True
+                continue
             if isinstance(item, BaseException):
                 raise item
             yield self._check(item)

@@ -1,14 +1,16 @@
 """Stream multiplexing (serve_app/serving/stream_mux.py), the parts that need no Ray cluster: the wire
 format, the replica-side sender (one push per flush for every stream, the batching bound kept per
-stream, cancelled streams dropped) and the inlet's ordering. The whole path through Ray Serve runs in
-test_openai_api.py (every test, multiplexed and not) and test_replica_failure.py."""
+stream, cancelled streams dropped, a failed channel failing its streams) and the ingress stream's
+ordering and its bound on missing last chunks. The channel itself (real sockets on 127.0.0.1) is in
+test_delta_channel.py; the whole path through Ray Serve runs in test_openai_api.py (every test,
+multiplexed and not), test_auth_prefix.py and test_replica_failure.py."""
 
 from __future__ import annotations
 
 import asyncio
 
 from serve_app.serving.stream_batching import GenerationChunk
-from serve_app.serving.stream_mux import DeltaInlet, MuxSender, decode_batch, encode_batch
+from serve_app.serving.stream_mux import MuxSender, decode_batch, encode_batch
 from serve_app.types import FinishReason, RequestMetrics, RequestOutput, TokenLogprob
 
 
@@ -18,7 +20,7 @@ def out(request_id: str, token: int, finished: bool = False) -> RequestOutput:
 
 
 class Pushes:
-    """A fake inlet: the decoded batches pushed, with the loop time of each push."""
+    """A fake channel: the decoded batches pushed, with the loop time of each push."""
 
     def __init__(self) -> None:
         self.batches: list[tuple[float, list[tuple[str, GenerationChunk]]]] = []
@@ -108,53 +110,21 @@ def test_forget_drops_a_cancelled_stream():
     assert sender.num_streams == 0
 
 
-def test_inlet_streams_pushes_in_order():
-    async def main():
-        inlet = DeltaInlet()
-        stream = inlet.stream()
-        await inlet.push(b"1")
-        await inlet.push(b"2")
-        first = await anext(stream)
-        await inlet.push(b"3")
-        second = await anext(stream)
-        waiting = asyncio.ensure_future(anext(stream))
-        await asyncio.sleep(0.01)
-        assert not waiting.done()  # nothing pushed: the reader waits
-        await inlet.push(b"4")
-        return first, second, await waiting
-
-    assert asyncio.run(main()) == ([b"1", b"2"], [b"3"], [b"4"])
-
-
-def test_an_inlet_stream_call_ends_after_its_items_and_the_next_gets_the_rest():
-    """The reader re-opens its call every so many items (Ray keeps state per item of a call); blobs
-    pushed meanwhile wait for the next call, none is lost or repeated."""
-
-    async def main():
-        inlet = DeltaInlet()
-        for i in range(3):
-            await inlet.push(bytes([i]))
-        first = [blobs async for blobs in inlet.stream(max_items=1)]
-        await inlet.push(b"late")
-        second = [blobs async for blobs in inlet.stream(max_items=1)]
-        return first, second
-
-    assert asyncio.run(main()) == ([[b"\x00", b"\x01", b"\x02"]], [[b"late"]])
-
-
 class _Call:
     """A fake replica call (Serve's streaming response): yields `chunks`, each once `release` is set."""
 
-    def __init__(self, chunks: list[GenerationChunk], release: asyncio.Event) -> None:
+    def __init__(self, chunks: list[GenerationChunk], release: asyncio.Event, ended: asyncio.Event | None = None) -> None:
         self._chunks, self._release = list(chunks), release
+        self._ended = ended or asyncio.Event()
 
     def __aiter__(self):
         return self
 
     async def __anext__(self) -> GenerationChunk:
         if not self._chunks:
-            await asyncio.Event().wait()  # the call stays open until the request ends
-        if len(self._chunks) == 1:  # the first token waits: the inlet's deltas get ahead of it
+            await self._ended.wait()  # the call stays open until the request ends
+            raise StopAsyncIteration
+        if len(self._chunks) == 1:  # the first token waits: the channel's deltas get ahead of it
             await self._release.wait()
         return self._chunks.pop(0)
 
@@ -178,10 +148,11 @@ class _Handle:
 
 
 class _Receiver:
-    address = "inlet"
+    address = "channel"
 
     def __init__(self) -> None:
         self.queue: asyncio.Queue = asyncio.Queue()
+        self.tasks: list[asyncio.Task] = []
 
     def register(self, _request_id):
         return self.queue
@@ -189,14 +160,14 @@ class _Receiver:
     def unregister(self, _request_id):
         pass
 
-    def keep(self, _task):
-        pass
+    def keep(self, task):
+        self.tasks.append(task)
 
 
-def test_the_first_token_comes_on_the_call_and_keeps_its_place_ahead_of_the_inlet():
-    """The replica sends the admission chunk and the first token on the request's call (one hop),
-    later deltas through the inlet (two hops): deltas the inlet delivers before the first token
-    arrives wait, and the stream reads in the engine's order."""
+def test_the_first_token_comes_on_the_call_and_keeps_its_place_ahead_of_the_channel():
+    """The replica sends the admission chunk and the first token on the request's call, later
+    deltas over the channel: deltas the channel delivers before the first token arrives wait, and
+    the stream reads in the engine's order."""
     from serve_app.serving.streams import MuxedChoiceStream
     from serve_app.types import GenerateRequest
 
@@ -210,7 +181,7 @@ def test_the_first_token_comes_on_the_call_and_keeps_its_place_ahead_of_the_inle
         stream = MuxedChoiceStream(_Handle(_Call([chunk(None), chunk(1)], release)), GenerateRequest("r", prompt="hi"),
                                    receiver)
         admission = await stream.start()
-        receiver.queue.put_nowait(chunk(2))  # through the inlet, ahead of the first token
+        receiver.queue.put_nowait(chunk(2))  # over the channel, ahead of the first token
         receiver.queue.put_nowait(chunk(3, finished=True))
         asyncio.get_running_loop().call_later(0.01, release.set)
         return admission, [c.token_ids async for c in stream.rest()]
@@ -242,3 +213,87 @@ def test_after_a_token_sent_on_the_call_the_next_delta_waits_for_the_interval():
     assert early == []
     assert len(pushes.batches) == 2 and pushes.batches[0][0] - start >= 0.045
     assert pushes.tokens("r") == [2, 3]
+
+
+def chunk(token: int | None, finished: bool = False) -> GenerationChunk:
+    tokens = () if token is None else (token,)
+    return GenerationChunk("" if token is None else f"<{token}>", tokens, finished, "length" if finished else None, 5)
+
+
+def test_a_failed_channel_fails_every_stream_of_its_sender():
+    """Once a push raises (the connection to the ingress is gone), nothing more is pushed and every
+    stream of that sender raises on its next delta, so each replica call fails instead of the
+    ingress waiting for deltas that cannot arrive."""
+    from serve_app.serving.delta_channel import ChannelClosed
+
+    class Failing:
+        def __init__(self) -> None:
+            self.calls = 0
+
+        def __call__(self, blob: bytes) -> None:
+            self.calls += 1
+            if self.calls > 1:
+                raise ChannelClosed("gone")
+
+    async def main():
+        push = Failing()
+        sender = MuxSender(push, interval_s=0.0)
+        for step in range(3):
+            for rid in ("a", "b"):
+                sender.add(rid, out(rid, step))
+            await asyncio.sleep(0)
+        return push, sender
+
+    push, sender = asyncio.run(main())
+    assert push.calls == 2  # the first push went, the second failed, the third was not tried
+    assert isinstance(sender.error, ChannelClosed)
+    try:
+        sender.check()
+    except ChannelClosed:
+        pass
+    else:
+        raise AssertionError("check() must raise the channel's error")
+
+
+def run_stream(last_after_call_s: float | None, timeout_s: float, monkeypatch) -> tuple[list, BaseException | None]:
+    """A multiplexed stream whose replica call ends right after its first token; its last chunk comes
+    over the channel `last_after_call_s` after that (None: never)."""
+    from serve_app.serving import streams
+    from serve_app.serving.streams import MuxedChoiceStream
+    from serve_app.types import GenerateRequest
+
+    monkeypatch.setattr(streams, "LAST_CHUNKS_TIMEOUT_S", timeout_s)
+
+    async def main():
+        release, ended = asyncio.Event(), asyncio.Event()
+        release.set()
+        receiver = _Receiver()
+        stream = MuxedChoiceStream(_Handle(_Call([chunk(None), chunk(1)], release, ended)), GenerateRequest("r", prompt="hi"),
+                                   receiver)
+        await stream.start()
+        ended.set()
+        if last_after_call_s is not None:
+            asyncio.get_running_loop().call_later(last_after_call_s, receiver.queue.put_nowait, chunk(2, finished=True))
+        tokens, error = [], None
+        try:
+            async for c in stream.rest():
+                tokens.append(c.token_ids)
+        except Exception as exc:  # noqa: BLE001 - returned for the assertions
+            error = exc
+        return tokens, error
+
+    return asyncio.run(main())
+
+
+def test_last_chunks_that_arrive_after_the_call_ended_are_read(monkeypatch):
+    tokens, error = run_stream(last_after_call_s=0.05, timeout_s=5.0, monkeypatch=monkeypatch)
+    assert error is None
+    assert tokens == [(1,), (2,)]
+
+
+def test_a_stream_whose_last_chunks_never_arrive_ends_with_an_error_not_a_hang(monkeypatch):
+    from serve_app.serving.errors import APIError
+
+    tokens, error = run_stream(last_after_call_s=None, timeout_s=0.1, monkeypatch=monkeypatch)
+    assert tokens == [(1,)]
+    assert isinstance(error, APIError) and error.status == 500 and "never arrived" in str(error.message)
