@@ -157,7 +157,7 @@ class ServeTarget:
 
 
 PROCESS_GROUPS = (("LLMServer", "LLMServer replicas"), ("OpenAIIngress", "ingress"), ("ProxyActor", "HTTP proxy"),
-                  ("ServeController", "Serve controller"), ("DeltaInlet", "stream inlet"))
+                  ("ServeController", "Serve controller"))
 
 
 def _serve_processes() -> dict[str, list[psutil.Process]]:

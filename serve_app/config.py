@@ -250,8 +250,8 @@ class ServeConfig:
     merge a stream's deltas that arrive within that interval into one item (the first token and the
     finish are never held): each streamed item costs CPU in the replica, the ingress and the proxy,
     which matters when engine steps are much shorter than the interval (GPUs). `stream_multiplexing`
-    sends every delta a replica owes one ingress replica in one Ray message per flush instead of one
-    item per stream (`serving.stream_mux`, docs/serving-path.md): the replica → ingress hop then
+    sends every delta a replica owes one ingress replica in one frame per flush, over a direct
+    authenticated connection, instead of one item per stream (`serving.stream_mux`, docs/serving-path.md): the replica → ingress hop then
     costs per engine step, not per token.
     A streamed response's headers go out as soon as every choice is admitted by its replica (validated
     and queued), and while no token comes (a long queue) a `: keep-alive` SSE comment is sent every
@@ -290,7 +290,7 @@ class ServeConfig:
     drain_timeout_s: float = 60.0  # a replica being removed serves its in-flight streams this long, then aborts them
     stat_logger_factories: tuple[str, ...] = ()
     stream_batch_interval_s: float = 0.0  # >0: merge a stream's deltas for up to this long (fewer Ray items)
-    stream_multiplexing: bool = False  # one Ray message per flush carries every stream a replica owes an ingress
+    stream_multiplexing: bool = False  # one frame per flush carries every stream a replica owes an ingress
     # OpenAIIngress deployment
     ingress_num_replicas: int = 1
     ingress_num_cpus: float = 0.1
