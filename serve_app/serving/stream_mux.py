@@ -168,24 +168,28 @@ class MuxReceiver:
 
 class ChannelSenders:
     """Replica side: the `MuxSender` of each ingress this replica has had streams for, over one
-    connection each (kept: connected once, not per request). A sender whose connection failed is
-    replaced by a new connection on the next `get`."""
+    connection each (kept: connected once, not per request). A connection that failed or closed
+    (its ingress gone) is dropped at the next `get`; a request from that ingress connects again."""
 
     def __init__(self, interval_s: float, node_id: str) -> None:
         self._interval_s = interval_s
         self._node_id = node_id  # this replica's node (Ray's id): same node, loopback
-        self._senders: dict[ChannelAddress, asyncio.Task[MuxSender]] = {}
+        self._senders: dict[ChannelAddress, asyncio.Task[tuple[ChannelSender, MuxSender]]] = {}
 
     async def get(self, address: ChannelAddress) -> MuxSender:
         """The sender for `address`; raises `ChannelClosed` when the ingress cannot be reached."""
+        for known, task in list(self._senders.items()):
+            if task.done() and (task.exception() is not None or task.result()[0].closed or task.result()[1].error is not None):
+                del self._senders[known]
         task = self._senders.get(address)
-        if task is not None and task.done() and (task.exception() is not None or task.result().error is not None):
-            task = None  # failed: connect again
         if task is None:
             # concurrent requests from one ingress share one connection attempt
             task = self._senders[address] = asyncio.ensure_future(self._connect(address))
-        return await asyncio.shield(task)
+        return (await asyncio.shield(task))[1]
 
-    async def _connect(self, address: ChannelAddress) -> MuxSender:
+    async def _connect(self, address: ChannelAddress) -> tuple[ChannelSender, MuxSender]:
         channel = await ChannelSender.connect(address, self._node_id)
-        return MuxSender(channel.send, self._interval_s)
+        return channel, MuxSender(channel.send, self._interval_s)
+
+    def __len__(self) -> int:
+        return len(self._senders)

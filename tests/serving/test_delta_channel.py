@@ -11,7 +11,14 @@ import asyncio
 import pytest
 
 from serve_app.serving import delta_channel
-from serve_app.serving.delta_channel import HEADER, MAX_FRAME_BYTES, ChannelAddress, ChannelClosed, ChannelSender, ChannelServer
+from serve_app.serving.delta_channel import (
+    HEADER,
+    MAX_FRAME_BYTES,
+    ChannelAddress,
+    ChannelClosed,
+    ChannelSender,
+    ChannelServer,
+)
 from serve_app.serving.stream_mux import ChannelSenders, MuxReceiver
 from serve_app.types import FinishReason, RequestMetrics, RequestOutput
 
@@ -115,7 +122,8 @@ def output(request_id: str, token: int, finished: bool = False) -> RequestOutput
 def test_replica_to_ingress_one_connection_per_ingress_and_a_new_one_after_a_failure():
     """The two real ends: a replica's senders and an ingress's receiver. Concurrent requests from one
     ingress share one connection; a sender whose channel failed is replaced on the next request; an
-    ingress that cannot be reached raises ChannelClosed (the call fails: a 503 to the client)."""
+    ingress that cannot be reached raises ChannelClosed (the call fails: a 503 to the client), and
+    failed connections are not kept."""
 
     async def main():
         receiver = await MuxReceiver().start(NODE, "127.0.0.1")
@@ -135,6 +143,10 @@ def test_replica_to_ingress_one_connection_per_ingress_and_a_new_one_after_a_fai
         unreachable = ChannelAddress("node-z", "127.0.0.1", 1, 1, b"s" * 32)
         with pytest.raises(ChannelClosed):
             await senders.get(unreachable)
+        assert len(senders) == 2  # the unreachable one (failed) and the live second connection
+        with pytest.raises(ChannelClosed):
+            await senders.get(unreachable)  # tried again, not a cached failure
+        assert len(senders) == 2
         return got
 
     got = asyncio.run(main())
