@@ -19,7 +19,7 @@ import torch
 
 from serve_app.config import CacheConfig, ModelConfig, SchedulerConfig
 from serve_app.engine import cpu_kernels
-from serve_app.engine.attention import AttentionMetadata, PrefillChunk
+from serve_app.engine.attention import AttentionMetadata, KernelChunks, PrefillChunk
 from serve_app.engine.attention_backends import make_varlen_attention, resolve_backend
 from serve_app.engine.host_memory import zeroed_cpu_tensors
 from serve_app.engine.input_batch import InputBatch
@@ -103,6 +103,10 @@ class ModelRunner:
             ]
         self.kv_cache_bytes = per_block * self.num_blocks
         self.decode_kernel = cpu_kernels.op("paged_decode") if use_cpu_ops else None
+        # prompt chunks (kernel_rank 1) get their own kernel where it runs: bf16, AVX512-BF16, head_dim 64 or 128
+        supported = cpu_kernels.op("paged_prefill_supported") if self.decode_kernel is not None else None
+        self.prefill_kernel = (cpu_kernels.op("paged_prefill") if supported is not None and self.dtype == torch.bfloat16
+                               and supported(self.args.head_dim) else None)
         self.argmax = cpu_kernels.op("argmax_rows") if use_cpu_ops else None
         self.generator = torch.Generator(device=self.device).manual_seed(model_config.seed)
         # triton / flashinfer: one implementation for every sequence of a step, over persistent inputs
@@ -132,10 +136,14 @@ class ModelRunner:
         """Inputs for the decode-kernel / reference paths. `scheduled` must be in `_order`. A
         verification (a decode with proposed tokens), and with the kernel a prompt chunk, runs as one
         kernel row per token, each over the context up to its own position: its K/V are all written
-        before attention, so that is exactly causal attention."""
+        before attention, so that is exactly causal attention. With the prompt-chunk kernel, the
+        chunks of rank 1 go to it instead (`KernelChunks`), whole."""
         step = self.input_batch.build(scheduled)
         kernel = self.decode_kernel is not None
-        b = next((i for i, s in enumerate(scheduled) if kernel_rank(s, kernel) == 2), len(scheduled))
+        end = next((i for i, s in enumerate(scheduled) if kernel_rank(s, kernel) == 2), len(scheduled))
+        b = end  # requests attended as decode-kernel rows
+        if self.prefill_kernel is not None:
+            b = next((i for i, s in enumerate(scheduled[:end]) if kernel_rank(s, kernel) == 1), end)
         num_decode_rows = sum(s.num_tokens for s in scheduled[:b])
         block_tables = context_lens = mask = None
         if b:
@@ -150,9 +158,20 @@ class ModelRunner:
             if self.decode_kernel is None:
                 keys = torch.arange(max_blocks * self.block_size, device=self.device)
                 mask = (keys.unsqueeze(0) < context_lens.unsqueeze(1)).view(num_decode_rows, 1, 1, -1)
+        chunks = None
+        if b < end:
+            qsl = step.query_start_loc[b : end + 1]
+            chunks = KernelChunks(
+                num_rows=sum(s.num_tokens for s in scheduled[b:end]),
+                block_tables=step.block_tables[b:end, : max(len(s.block_table) for s in scheduled[b:end])].to(
+                    torch.long, memory_format=torch.contiguous_format),
+                query_start=(qsl - qsl[0]).to(torch.int32),
+                start_pos=self._tensor([s.start_pos for s in scheduled[b:end]], torch.int32),
+                kernel=self.prefill_kernel,
+            )
         prefills = []
         starts = step.host_query_start_loc
-        for i in range(b, len(scheduled)):
+        for i in range(end, len(scheduled)):
             s = scheduled[i]
             table = chunk_mask = None
             if s.start_pos > 0:
@@ -168,6 +187,7 @@ class ModelRunner:
             decode_mask=mask,
             prefills=tuple(prefills),
             decode_kernel=self.decode_kernel,
+            kernel_chunks=chunks,
         )
         return step.input_ids, step.positions, meta
 
