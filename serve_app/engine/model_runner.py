@@ -42,11 +42,13 @@ def kv_cache_bytes_per_block(args: LlamaArgs, block_size: int, dtype: torch.dtyp
     return 2 * args.num_layers * block_size * args.num_kv_heads * args.head_dim * torch.empty((), dtype=dtype).element_size()
 
 
-# A fresh prompt chunk up to this many tokens is attended by the CPU decode kernel, one row per token
-# over its causal context (its K/V are in the cache by then), instead of torch's SDPA: measured in
-# bf16 at SmolLM2's shapes, 16 prompts x 128 tokens 2.7x faster, 4 x 512 1.9x, 2 x 1,024 1.3x, one
-# of 2,048 0.92x. A chunk that continues a request (start_pos > 0) always goes to the kernel: the
-# torch path would gather its whole context and run a full masked attention.
+# Without the prompt-chunk kernel (`cpu_kernels.paged_prefill`), a fresh prompt chunk up to this many
+# tokens is attended by the CPU decode kernel, one row per token over its causal context (its K/V are
+# in the cache by then), instead of torch's SDPA: measured in bf16 at SmolLM2's shapes, 16 prompts x
+# 128 tokens 2.7x faster, 4 x 512 1.9x, 2 x 1,024 1.3x, one of 2,048 0.92x. A chunk that continues a
+# request (start_pos > 0) always goes to a kernel: the torch path would gather its whole context and
+# run a full masked attention. With the prompt-chunk kernel every prompt chunk goes to it (one of
+# 2,048 fresh tokens: attention 3.9-4.7x faster than SDPA, the step 2.1x; docs/engine-kernels.md).
 KERNEL_MAX_FRESH_CHUNK = 1024
 
 
@@ -55,13 +57,14 @@ def is_decode(s: ScheduledRequest) -> bool:
     return s.num_tokens == 1 or bool(s.spec_token_ids)
 
 
-def kernel_rank(s: ScheduledRequest, kernel: bool = True) -> int:
-    """A step's requests in row order: decodes (0), then the prompt chunks the decode kernel attends
-    (1, only with a `kernel`), then those torch's SDPA does (2); each group a contiguous run of rows.
-    Ranks 0 and 1 are the rows `prepare` hands to the block-table path."""
+def kernel_rank(s: ScheduledRequest, kernel: bool = True, chunk_kernel: bool = False) -> int:
+    """A step's requests in row order: decodes (0), then the prompt chunks a kernel attends (1, only
+    with a decode `kernel`: all of them with the prompt-chunk kernel, else those within
+    KERNEL_MAX_FRESH_CHUNK or continuing a request), then those torch's SDPA does (2); each group a
+    contiguous run of rows. Ranks 0 and 1 are the rows `prepare` hands to the block-table path."""
     if is_decode(s):
         return 0
-    return 1 if kernel and (s.start_pos > 0 or s.num_tokens <= KERNEL_MAX_FRESH_CHUNK) else 2
+    return 1 if kernel and (chunk_kernel or s.start_pos > 0 or s.num_tokens <= KERNEL_MAX_FRESH_CHUNK) else 2
 
 
 class ModelRunner:
@@ -139,11 +142,10 @@ class ModelRunner:
         before attention, so that is exactly causal attention. With the prompt-chunk kernel, the
         chunks of rank 1 go to it instead (`KernelChunks`), whole."""
         step = self.input_batch.build(scheduled)
-        kernel = self.decode_kernel is not None
-        end = next((i for i, s in enumerate(scheduled) if kernel_rank(s, kernel) == 2), len(scheduled))
+        end = next((i for i, s in enumerate(scheduled) if self._rank(s) == 2), len(scheduled))
         b = end  # requests attended as decode-kernel rows
         if self.prefill_kernel is not None:
-            b = next((i for i, s in enumerate(scheduled[:end]) if kernel_rank(s, kernel) == 1), end)
+            b = next((i for i, s in enumerate(scheduled[:end]) if self._rank(s) == 1), end)
         num_decode_rows = sum(s.num_tokens for s in scheduled[:b])
         block_tables = context_lens = mask = None
         if b:
@@ -204,10 +206,12 @@ class ModelRunner:
                                  decode_mask=None, prefills=(), impl=self.varlen, step=step)
         return self.model(step.input_ids, step.positions, self.kv_caches, meta), None
 
+    def _rank(self, s: ScheduledRequest) -> int:
+        return kernel_rank(s, self.decode_kernel is not None, self.prefill_kernel is not None)
+
     def _order(self, scheduled: Sequence[ScheduledRequest]) -> list[ScheduledRequest]:
         """A step's requests in row order (`kernel_rank`; stable)."""
-        kernel = self.decode_kernel is not None
-        return sorted(scheduled, key=lambda s: kernel_rank(s, kernel))
+        return sorted(scheduled, key=self._rank)
 
     @torch.inference_mode()
     def sampling_logits(self, scheduled: Sequence[ScheduledRequest]) -> tuple[list[ScheduledRequest], torch.Tensor]:
