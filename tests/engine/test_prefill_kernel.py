@@ -107,18 +107,20 @@ def test_rejects_other_dtypes():
 
 
 
-def test_model_steps_against_reference_and_decode_kernel_rows(model_dir, prompt_ids):
+def test_model_steps_against_reference_and_decode_kernel_rows(model_dir, prompt_ids, monkeypatch):
     """bf16, real model, prompts chunked over several steps (continuing chunks) and mixed with decodes:
     every call's output is within bf16 tolerance of the fp32 reference and no further from it than the
-    decode kernel's rows over the same inputs. (Greedy tokens are not compared: the two kernels round
-    differently, and one of these prompts' bf16 continuations flips on that.)"""
-    from serve_app.engine import LLM, SamplingParams
+    decode kernel's rows over the same inputs. Fresh chunks past KERNEL_MAX_FRESH_CHUNK (lowered to 20)
+    go to the kernel too. (Greedy tokens are not compared: the two kernels round differently, and one
+    of these prompts' bf16 continuations flips on that.)"""
+    from serve_app.engine import LLM, SamplingParams, model_runner
 
+    monkeypatch.setattr(model_runner, "KERNEL_MAX_FRESH_CHUNK", 20)
     llm = LLM(model_dir, dtype="bfloat16", kv_cache_memory_gib=0.1, max_num_batched_tokens=48)
     runner = llm.engine.core.model_runner
     assert runner.prefill_kernel is not None
     decode_rows = cpu_kernels.op("paged_decode")
-    starts = []
+    starts, fresh_lengths = [], []
 
     def checked(out, q, k_cache, v_cache, block_tables, query_start, start_pos, scale):
         KERNEL(out, q, k_cache, v_cache, block_tables, query_start, start_pos, scale)
@@ -130,7 +132,9 @@ def test_model_steps_against_reference_and_decode_kernel_rows(model_dir, prompt_
         torch.testing.assert_close(out.float(), expected, atol=TOL, rtol=TOL)
         assert (out.float() - expected).abs().max() <= 1.25 * (rows.float() - expected).abs().max() + 1e-3
         starts.extend(start_pos.tolist())
+        fresh_lengths.extend(int(n) for p, n in zip(start_pos, counts, strict=True) if p == 0)
 
     runner.prefill_kernel = checked
     llm.generate(prompt_ids[:6], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     assert 0 in starts and any(p > 0 for p in starts)  # fresh and continuing chunks
+    assert max(fresh_lengths) > 20
