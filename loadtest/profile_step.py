@@ -95,6 +95,7 @@ def main() -> int:
     model = runner.model
     model._rms_norm_op = labeled("cpp::rms_norm", model._rms_norm_op)
     runner.decode_kernel = labeled("cpp::paged_decode", runner.decode_kernel)
+    runner.prefill_kernel = labeled("cpp::paged_prefill", runner.prefill_kernel)
     runner.argmax = labeled("cpp::argmax", runner.argmax)
     # the fused layer ops, turned off together for the "unfused" rounds (each then runs as the torch ops it replaces)
     fused_ops = {"_add_rms_norm_op": labeled("cpp::add_rms_norm", model._add_rms_norm_op),

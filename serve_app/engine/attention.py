@@ -11,9 +11,11 @@ then each prompt chunk's tokens. Every layer writes the new K/V through `slot_ma
 
 On CPU the decode part runs a C++ kernel (`cpu_kernels.paged_decode`) that reads the blocks in place;
 elsewhere (and as the reference) it gathers the blocks and calls `scaled_dot_product_attention`.
-With the kernel, the model runner also hands it most prompt chunks as rows, one per token, each with
-its request's block table and its own causal context (`model_runner.kernel_rank`); only long fresh
-chunks stay on the prompt path below.
+With the kernel, the model runner also takes most prompt chunks off the prompt path below
+(`model_runner.kernel_rank`; only long fresh chunks stay there): in bf16 where the build has
+AVX512-BF16, the C++ prompt-chunk kernel (`cpu_kernels.paged_prefill`, `KernelChunks`) attends them
+through their block tables, 16 query tokens at a time; otherwise the decode kernel takes them as rows,
+one per token, each with its request's block table and its own causal context.
 A step may instead carry a whole-step implementation (`impl`: the Triton kernels or FlashInfer, on
 CUDA) that reads every sequence, decode or prompt chunk, in place through the step's block tables.
 """
@@ -38,11 +40,23 @@ class PrefillChunk:
 
 
 @dataclass(frozen=True)
+class KernelChunks:
+    """Prompt chunks for `cpu_kernels.paged_prefill`: the rows right after the decode rows, chunk s
+    owning rows `query_start[s]:query_start[s + 1]` of that run, its first at position `start_pos[s]`."""
+
+    num_rows: int
+    block_tables: torch.Tensor  # [S, max_blocks] long (padded with 0)
+    query_start: torch.Tensor  # [S + 1] int32, from 0
+    start_pos: torch.Tensor  # [S] int32
+    kernel: Callable
+
+
+@dataclass(frozen=True)
 class AttentionMetadata:
     """Built once per step by the model runner, shared by every layer."""
 
     slot_mapping: torch.Tensor  # [num_tokens] long
-    num_decodes: int  # rows attended through the block tables: decodes, verifications, kernel-path prompt rows
+    num_decodes: int  # rows attended by the decode kernel / its reference: decodes, verifications, prompt rows (kernel_rank 1) without kernel_chunks
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] long (padded with 0)
     decode_context_lens: torch.Tensor | None  # [num_decodes] int
     decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool (reference path)
@@ -52,6 +66,7 @@ class AttentionMetadata:
     # backend over `step`, an input_batch.StepInputs)
     impl: Callable | None = None
     step: Any = None
+    kernel_chunks: KernelChunks | None = None  # the prompt chunks after the decode rows, for the C++ prompt-chunk kernel
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -97,6 +112,10 @@ def paged_attention(
             vd = _gather(v_cache, meta.decode_block_tables)
             od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale)
             out[:b] = od.reshape(b, num_heads, head_dim)
+    chunks = meta.kernel_chunks
+    if chunks is not None:
+        e = b + chunks.num_rows
+        chunks.kernel(out[b:e], q[b:e], k_cache, v_cache, chunks.block_tables, chunks.query_start, chunks.start_pos, scale)
     for chunk in meta.prefills:
         s, e = chunk.token_start, chunk.token_start + chunk.num_tokens
         qp = q[s:e].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]

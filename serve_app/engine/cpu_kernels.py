@@ -4,6 +4,9 @@
   place from the block tables. The reference path (gather the blocks, then
   `scaled_dot_product_attention`) copies every decode request's whole context each layer and runs
   thousands of tiny attention problems. fp32 accumulation.
+- `paged_prefill` (csrc/paged_prefill.cpp): causal attention for a step's prompt chunks read in place
+  from the block tables, 16 query tokens per task (bf16 with AVX512-BF16, head_dim 64 or 128:
+  `paged_prefill_supported(head_dim)`; the runner otherwise gives the chunks to `paged_decode` as rows).
 - `rms_norm_bf16` (csrc/rms_norm.cpp): one pass per row instead of torch's chain of ops, with HF's
   rounding.
 - `add_rms_norm_bf16` (csrc/fused_ops.cpp): residual add + RMSNorm in one pass (the residual

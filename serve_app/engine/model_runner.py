@@ -19,7 +19,7 @@ import torch
 
 from serve_app.config import CacheConfig, ModelConfig, SchedulerConfig
 from serve_app.engine import cpu_kernels
-from serve_app.engine.attention import AttentionMetadata, PrefillChunk
+from serve_app.engine.attention import AttentionMetadata, KernelChunks, PrefillChunk
 from serve_app.engine.attention_backends import make_varlen_attention, resolve_backend
 from serve_app.engine.host_memory import zeroed_cpu_tensors
 from serve_app.engine.input_batch import InputBatch
@@ -42,11 +42,13 @@ def kv_cache_bytes_per_block(args: LlamaArgs, block_size: int, dtype: torch.dtyp
     return 2 * args.num_layers * block_size * args.num_kv_heads * args.head_dim * torch.empty((), dtype=dtype).element_size()
 
 
-# A fresh prompt chunk up to this many tokens is attended by the CPU decode kernel, one row per token
-# over its causal context (its K/V are in the cache by then), instead of torch's SDPA: measured in
-# bf16 at SmolLM2's shapes, 16 prompts x 128 tokens 2.7x faster, 4 x 512 1.9x, 2 x 1,024 1.3x, one
-# of 2,048 0.92x. A chunk that continues a request (start_pos > 0) always goes to the kernel: the
-# torch path would gather its whole context and run a full masked attention.
+# Without the prompt-chunk kernel (`cpu_kernels.paged_prefill`), a fresh prompt chunk up to this many
+# tokens is attended by the CPU decode kernel, one row per token over its causal context (its K/V are
+# in the cache by then), instead of torch's SDPA: measured in bf16 at SmolLM2's shapes, 16 prompts x
+# 128 tokens 2.7x faster, 4 x 512 1.9x, 2 x 1,024 1.3x, one of 2,048 0.92x. A chunk that continues a
+# request (start_pos > 0) always goes to a kernel: the torch path would gather its whole context and
+# run a full masked attention. With the prompt-chunk kernel every prompt chunk goes to it (one of
+# 2,048 fresh tokens: attention 3.9-4.7x faster than SDPA, the step 2.1x; docs/engine-kernels.md).
 KERNEL_MAX_FRESH_CHUNK = 1024
 
 
@@ -55,13 +57,14 @@ def is_decode(s: ScheduledRequest) -> bool:
     return s.num_tokens == 1 or bool(s.spec_token_ids)
 
 
-def kernel_rank(s: ScheduledRequest, kernel: bool = True) -> int:
-    """A step's requests in row order: decodes (0), then the prompt chunks the decode kernel attends
-    (1, only with a `kernel`), then those torch's SDPA does (2); each group a contiguous run of rows.
-    Ranks 0 and 1 are the rows `prepare` hands to the block-table path."""
+def kernel_rank(s: ScheduledRequest, kernel: bool = True, chunk_kernel: bool = False) -> int:
+    """A step's requests in row order: decodes (0), then the prompt chunks a kernel attends (1, only
+    with a decode `kernel`: all of them with the prompt-chunk kernel, else those within
+    KERNEL_MAX_FRESH_CHUNK or continuing a request), then those torch's SDPA does (2); each group a
+    contiguous run of rows. Ranks 0 and 1 are the rows `prepare` hands to the block-table path."""
     if is_decode(s):
         return 0
-    return 1 if kernel and (s.start_pos > 0 or s.num_tokens <= KERNEL_MAX_FRESH_CHUNK) else 2
+    return 1 if kernel and (chunk_kernel or s.start_pos > 0 or s.num_tokens <= KERNEL_MAX_FRESH_CHUNK) else 2
 
 
 class ModelRunner:
@@ -103,6 +106,10 @@ class ModelRunner:
             ]
         self.kv_cache_bytes = per_block * self.num_blocks
         self.decode_kernel = cpu_kernels.op("paged_decode") if use_cpu_ops else None
+        # prompt chunks (kernel_rank 1) get their own kernel where it runs: bf16, AVX512-BF16, head_dim 64 or 128
+        supported = cpu_kernels.op("paged_prefill_supported") if self.decode_kernel is not None else None
+        self.prefill_kernel = (cpu_kernels.op("paged_prefill") if supported is not None and self.dtype == torch.bfloat16
+                               and supported(self.args.head_dim) else None)
         self.argmax = cpu_kernels.op("argmax_rows") if use_cpu_ops else None
         self.generator = torch.Generator(device=self.device).manual_seed(model_config.seed)
         # triton / flashinfer: one implementation for every sequence of a step, over persistent inputs
@@ -132,10 +139,13 @@ class ModelRunner:
         """Inputs for the decode-kernel / reference paths. `scheduled` must be in `_order`. A
         verification (a decode with proposed tokens), and with the kernel a prompt chunk, runs as one
         kernel row per token, each over the context up to its own position: its K/V are all written
-        before attention, so that is exactly causal attention."""
+        before attention, so that is exactly causal attention. With the prompt-chunk kernel, the
+        chunks of rank 1 go to it instead (`KernelChunks`), whole."""
         step = self.input_batch.build(scheduled)
-        kernel = self.decode_kernel is not None
-        b = next((i for i, s in enumerate(scheduled) if kernel_rank(s, kernel) == 2), len(scheduled))
+        end = next((i for i, s in enumerate(scheduled) if self._rank(s) == 2), len(scheduled))
+        b = end  # requests attended as decode-kernel rows
+        if self.prefill_kernel is not None:
+            b = next((i for i, s in enumerate(scheduled[:end]) if self._rank(s) == 1), end)
         num_decode_rows = sum(s.num_tokens for s in scheduled[:b])
         block_tables = context_lens = mask = None
         if b:
@@ -150,9 +160,20 @@ class ModelRunner:
             if self.decode_kernel is None:
                 keys = torch.arange(max_blocks * self.block_size, device=self.device)
                 mask = (keys.unsqueeze(0) < context_lens.unsqueeze(1)).view(num_decode_rows, 1, 1, -1)
+        chunks = None
+        if b < end:
+            qsl = step.query_start_loc[b : end + 1]
+            chunks = KernelChunks(
+                num_rows=sum(s.num_tokens for s in scheduled[b:end]),
+                block_tables=step.block_tables[b:end, : max(len(s.block_table) for s in scheduled[b:end])].to(
+                    torch.long, memory_format=torch.contiguous_format),
+                query_start=(qsl - qsl[0]).to(torch.int32),
+                start_pos=self._tensor([s.start_pos for s in scheduled[b:end]], torch.int32),
+                kernel=self.prefill_kernel,
+            )
         prefills = []
         starts = step.host_query_start_loc
-        for i in range(b, len(scheduled)):
+        for i in range(end, len(scheduled)):
             s = scheduled[i]
             table = chunk_mask = None
             if s.start_pos > 0:
@@ -168,6 +189,7 @@ class ModelRunner:
             decode_mask=mask,
             prefills=tuple(prefills),
             decode_kernel=self.decode_kernel,
+            kernel_chunks=chunks,
         )
         return step.input_ids, step.positions, meta
 
@@ -184,10 +206,12 @@ class ModelRunner:
                                  decode_mask=None, prefills=(), impl=self.varlen, step=step)
         return self.model(step.input_ids, step.positions, self.kv_caches, meta), None
 
+    def _rank(self, s: ScheduledRequest) -> int:
+        return kernel_rank(s, self.decode_kernel is not None, self.prefill_kernel is not None)
+
     def _order(self, scheduled: Sequence[ScheduledRequest]) -> list[ScheduledRequest]:
         """A step's requests in row order (`kernel_rank`; stable)."""
-        kernel = self.decode_kernel is not None
-        return sorted(scheduled, key=lambda s: kernel_rank(s, kernel))
+        return sorted(scheduled, key=self._rank)
 
     @torch.inference_mode()
     def sampling_logits(self, scheduled: Sequence[ScheduledRequest]) -> tuple[list[ScheduledRequest], torch.Tensor]:

@@ -3,6 +3,9 @@
 
 void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                   torch::Tensor block_tables, torch::Tensor context_lens, double scale);
+void paged_prefill(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                   torch::Tensor block_tables, torch::Tensor query_start, torch::Tensor start_pos, double scale);
+bool paged_prefill_supported(int64_t head_dim);
 torch::Tensor rms_norm_bf16(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor add_rms_norm_bf16(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
 void rope_write_kv_bf16(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
@@ -12,6 +15,8 @@ torch::Tensor argmax_rows(torch::Tensor logits);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention (CPU)");
+  m.def("paged_prefill", &paged_prefill, "paged causal attention for prompt chunks (bf16, CPU)");
+  m.def("paged_prefill_supported", &paged_prefill_supported, "whether paged_prefill runs at this head_dim on this build");
   m.def("rms_norm_bf16", &rms_norm_bf16, "RMSNorm, bf16 in and out, HF's rounding (CPU)");
   m.def("add_rms_norm_bf16", &add_rms_norm_bf16, "residual += x (in place), then RMSNorm of it (bf16, CPU)");
   m.def("argmax_rows", &argmax_rows, "row-wise argmax of fp32 logits, as torch.argmax(dim=-1) (CPU)");
