@@ -64,6 +64,7 @@ def summarize(records: list[dict]) -> dict[str, Any]:
         "num_requests": len(records),
         "num_ok": len(ok),
         "num_failed": len(failed),
+        "num_empty": sum(bool(r.get("empty")) for r in ok),  # ended properly with no text: no TTFT
         "failure_ratio": len(failed) / len(records) if records else 0.0,
         "window_s": window_s,
         "request_throughput": len(ok) / window_s if window_s > 0 else 0.0,
@@ -152,7 +153,8 @@ def render_markdown(summary: dict, locust: dict[str, list[dict]], meta: dict[str
         if meta.get(key):
             lines.append(f"- {key}: {meta[key]}")
     lines += [
-        f"- requests: {s['num_requests']} sent, {s['num_ok']} ok, **{s['num_failed']} failed** ({s['failure_ratio']:.1%})",
+        f"- requests: {s['num_requests']} sent, {s['num_ok']} ok, **{s['num_failed']} failed** ({s['failure_ratio']:.1%})"
+        + (f"; {s['num_empty']} of the ok ones were empty replies (the model stopped at once: no TTFT)" if s.get("num_empty") else ""),
         f"- measured window: {s['window_s']:.1f} s (first request sent → last one finished)",
         f"- throughput: **{s['request_throughput']:.2f} req/s**, **{s['output_tok_s']:.1f} output tok/s** "
         f"({s['output_tokens']} output tokens, {s['output_tokens_per_request']['mean'] or 0:.1f} per request)",

@@ -25,7 +25,9 @@ Options (besides Locust's own; also as LOCUST_* environment variables):
 Statistics (Locust's tables, CSV and HTML):
 - Each request is one entry named `<endpoint> [<class>]` (e.g. `/v1/chat/completions [short]`) whose
   response time is the whole stream (send → `data: [DONE]`). It fails on an HTTP error, an error
-  event in the stream, a stream that ends without `[DONE]`, or no token at all.
+  event in the stream, a stream that ends without `[DONE]`, or no token at all unless the stream
+  says why it finished (an empty reply: the model's first token was its end of sequence; it counts
+  as a success with no TTFT, and its record has `"empty": true`).
 - Custom metrics, fired as request events of type `LLM` once per successful request:
   `ttft_ms` (send → first token), `tpot_ms` (mean time per output token after the first:
   (e2e - ttft) / (tokens - 1)), `e2e_ms` (send → last event), and `output_tokens`, whose "response
@@ -158,9 +160,15 @@ class StreamResult:
         self.num_chunks_with_text = 0
         self.usage: dict | None = None
         self.text_parts: list[str] = []
+        self.finish_reasons: list[str] = []
         self.done = False
         self.error: str | None = None
         self.num_bytes = 0
+
+    @property
+    def empty_reply(self) -> bool:
+        """Ended properly, saying why it finished, with no text at all."""
+        return self.done and self.first_token_s is None and bool(self.finish_reasons)
 
     @property
     def num_output_tokens(self) -> int:
@@ -177,6 +185,8 @@ class StreamResult:
         if event.get("usage"):
             self.usage = event["usage"]
         for choice in event.get("choices") or ():
+            if choice.get("finish_reason"):
+                self.finish_reasons.append(choice["finish_reason"])
             text = choice.get("text")
             if text is None:
                 text = (choice.get("delta") or {}).get("content")
@@ -285,7 +295,7 @@ class OpenAIStreamingUser(FastHttpUser):
             e2e_s = time.perf_counter() - start
             if result.error is None and not result.done:
                 result.error = "stream ended without [DONE]"
-            if result.error is None and result.first_token_s is None:
+            if result.error is None and result.first_token_s is None and not result.empty_reply:
                 result.error = "no token in the stream"
             response.request_meta["response_time"] = e2e_s * 1000
             response.request_meta["response_length"] = result.num_bytes
@@ -295,9 +305,10 @@ class OpenAIStreamingUser(FastHttpUser):
                 response.failure(result.error)
         tokens = result.num_output_tokens
         ttft_s = result.first_token_s
-        tpot_s = (e2e_s - ttft_s) / (tokens - 1) if result.error is None and tokens > 1 else None
+        tpot_s = (e2e_s - ttft_s) / (tokens - 1) if result.error is None and ttft_s is not None and tokens > 1 else None
         if result.error is None:
-            self.fire_metric("ttft_ms", ttft_s * 1000)
+            if ttft_s is not None:
+                self.fire_metric("ttft_ms", ttft_s * 1000)
             if tpot_s is not None:
                 self.fire_metric("tpot_ms", tpot_s * 1000)
             self.fire_metric("e2e_ms", e2e_s * 1000)
@@ -308,4 +319,4 @@ class OpenAIStreamingUser(FastHttpUser):
         self._record(start_time=sent_at, end_time=sent_at + e2e_s, name=name, api=api, tag=request.tag,
                      ok=result.error is None, error=result.error, ttft_s=ttft_s, tpot_s=tpot_s, e2e_s=e2e_s,
                      output_tokens=tokens, prompt_tokens=(result.usage or {}).get("prompt_tokens"),
-                     max_tokens=request.max_tokens, lag_s=lag_s)
+                     max_tokens=request.max_tokens, lag_s=lag_s, empty=result.empty_reply)
