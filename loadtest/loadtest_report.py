@@ -121,8 +121,8 @@ def time_series(records: list[dict], bin_s: float | None = None) -> dict[str, li
         "t": [(i + 0.5) * bin_s for i in range(n)],
         "req_s": req,
         "tok_s": tok,
-        "ttft_p50": [quantile([r["ttft_s"] for r in b], 0.5) for b in started],
-        "ttft_p90": [quantile([r["ttft_s"] for r in b], 0.9) for b in started],
+        "ttft_p50": [quantile([r["ttft_s"] for r in b if r["ttft_s"] is not None], 0.5) for b in started],
+        "ttft_p90": [quantile([r["ttft_s"] for r in b if r["ttft_s"] is not None], 0.9) for b in started],
         "e2e_p50": [quantile([r["e2e_s"] for r in b], 0.5) for b in started],
     }
 
