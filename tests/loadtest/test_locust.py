@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.ray_start import init_local_ray
 from tests.serving.conftest import API_KEY, API_KEY_ENV, MODEL_NAME, REPO, app_args, serve_app
 
 LOCUST = Path(sys.executable).with_name("locust")
@@ -35,7 +36,7 @@ def served(model_dir):
 
     if ray.is_initialized():  # pragma: no cover - a previous module left one
         ray.shutdown()
-    ray.init(include_dashboard=False, log_to_driver=False, namespace="loadtest-tests")
+    init_local_ray(include_dashboard=False, log_to_driver=False, namespace="loadtest-tests")
     try:
         args = app_args(num_replicas=1, torch_num_threads=1, api_key_env=API_KEY_ENV,
                         engine={"dtype": "bfloat16", "num_blocks": 512, "max_num_seqs": 16})

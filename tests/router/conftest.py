@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.ray_start import init_local_ray
 from tests.router.ray_helpers import PROBE_DIR_ENV, REPO, TwoNodeCluster, refresh_ray_settings
 
 
@@ -54,7 +55,7 @@ def local_ray(model_dir, probe_dir):
 
     _stop_ray()  # pragma: no cover - another module left one
     with _environment(**{PROBE_DIR_ENV: str(probe_dir), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}):
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="router-tests")
+        init_local_ray(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="router-tests")
         try:
             yield ray
         finally:

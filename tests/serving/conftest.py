@@ -20,6 +20,7 @@ import pytest
 
 from loadtest.replica_probe import serve_replicas
 from tests.polling import wait_for  # noqa: F401 (also re-exported to test modules)
+from tests.ray_start import init_local_ray
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # before Ray starts: loopback only
 # fault injection (tests/serving/faults.py): replicas inherit this environment from the driver
@@ -55,7 +56,7 @@ def ray_cluster():
 
     if ray.is_initialized():  # pragma: no cover - another fixture left one running
         ray.shutdown()
-    ray.init(include_dashboard=False, log_to_driver=False, namespace="serving-tests")
+    init_local_ray(include_dashboard=False, log_to_driver=False, namespace="serving-tests")
     try:
         yield ray
     finally:
