@@ -5,9 +5,9 @@ output tokens, greedy, ignore_eos, bf16, every request submitted at once. Engine
 engine_runners.py): the native continuous-batching engine, HF `generate` in static batches of 16,
 and vLLM when it is installed (skipped with a note otherwise).
 
-Before the engines, the run's compute floor is measured (loadtest/compute_floor.py: W1's FLOPs at
-the machine's matmul rate at the run's decode and prefill shapes) and each engine's share of it
-reported. Each engine runs in its own worker process (so its peak RSS is its own), loads its model once and
+Right before every engine run, the run's compute floor is measured (loadtest/compute_floor.py: W1's
+FLOPs at the machine's matmul rate at the run's decode and prefill shapes, in a process of its own),
+and each run's share of the floor is taken against that measurement. Each engine runs in its own worker process (so its peak RSS is its own), loads its model once and
 warms up once; then the repeats are interleaved (repeat r runs every engine, the order rotated by
 r) so that a change in machine load hits all engines alike. Ratios are taken per repeat, between
 runs minutes apart. Writes engine_throughput.{json,md,png} to --out-dir (default reports/).
@@ -103,18 +103,48 @@ def worker_main(name: str, opts: dict[str, Any], conn) -> None:
 
 
 def floor_main(opts: dict[str, Any], conn) -> None:
-    """The run's compute floor (loadtest/compute_floor.py), with the engines' thread count."""
+    """Measures the run's compute floor (loadtest/compute_floor.py), with the engines' thread count,
+    on every ("measure",) until ("stop",)."""
     try:
         import torch
 
         if opts.get("threads"):
             torch.set_num_threads(opts["threads"])
         cfg = json.loads((Path(opts["model"]) / "config.json").read_text())
-        conn.send(measure_compute_floor(cfg, opts))
+        while conn.recv()[0] == "measure":
+            conn.send(measure_compute_floor(cfg, opts))
     except Exception as exc:
         conn.send({"error": repr(exc)})
     finally:
         conn.close()
+
+
+class FloorProbe:
+    """The compute-floor process, kept for the whole run: the floor is measured right before every
+    engine run, so each run is compared with the machine's speed at that moment (this machine's
+    speed drifts by 10-15% over minutes, enough to move a share measured once by as much)."""
+
+    def __init__(self, ctx, opts: dict[str, Any]) -> None:
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=floor_main, args=(opts, child), name="bench-floor", daemon=True)
+        self.proc.start()
+        child.close()
+
+    def measure(self) -> dict[str, Any]:
+        try:
+            self.conn.send(("measure",))
+            return self.conn.recv() if self.conn.poll(600) else {"error": "timed out"}
+        except (BrokenPipeError, EOFError, OSError) as exc:
+            return {"error": f"floor process gone ({exc!r})"}
+
+    def stop(self) -> None:
+        try:
+            self.conn.send(("stop",))
+        except (BrokenPipeError, OSError):
+            pass
+        self.proc.join(30)
+        if self.proc.is_alive():
+            self.proc.kill()
 
 
 # ---- parent side ---------------------------------------------------------------------------------
@@ -348,17 +378,9 @@ def main(argv: list[str] | None = None) -> int:
             log(f"{name}: skipped ({reason})")
 
     ctx = mp.get_context("spawn")
-    log("compute floor: bf16 matmul rates at this run's decode and prefill shapes ...")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=floor_main, args=(opts, child), name="bench-floor")
-    proc.start()
-    child.close()
-    results["compute_floor"] = parent.recv() if parent.poll(600) else {"error": "timed out"}
-    proc.join(30)
-    floor = results["compute_floor"]
-    if "error" not in floor:
-        log(f"compute floor: {floor['floor_output_tok_s']:.0f} output tok/s (decode {floor['decode_tflop_s']:.2f} TFLOP/s, "
-            f"prefill {floor['prefill_tflop_s']:.2f} TFLOP/s)")
+    log("compute floor: bf16 matmul rates at this run's decode and prefill shapes, before every run ...")
+    probe = FloorProbe(ctx, opts)
+    results["compute_floors"] = []
     monitor = RssMonitor()
     monitor.start()
     workers: dict[str, Worker] = {}
@@ -382,6 +404,11 @@ def main(argv: list[str] | None = None) -> int:
             order = order[rep % len(order) :] + order[: rep % len(order)] if order else order
             for name in order:
                 label = f"repeat {rep + 1}/{args.repeats} {name}"
+                floor = probe.measure()
+                results["compute_floors"].append({**floor, "repeat": rep, "engine": name})
+                if "error" not in floor:
+                    log(f"{label}: compute floor {floor['floor_output_tok_s']:.0f} output tok/s (decode {floor['decode_tflop_s']:.2f} "
+                        f"TFLOP/s, prefill {floor['prefill_tflop_s']:.2f} TFLOP/s)")
                 log(f"{label}: running ...")
                 res = timed_run(workers[name], prompts, opts, label)
                 if "error" in res:
@@ -390,12 +417,15 @@ def main(argv: list[str] | None = None) -> int:
                     workers.pop(name).stop()
                     continue
                 res["repeat"] = rep
+                if "error" not in floor:
+                    res["floor_output_tok_s"] = floor["floor_output_tok_s"]
                 engines[name]["runs"].append(res)
                 n_out = sum(len(t) for t in res["token_ids"])
                 log(f"{label}: {res['elapsed_s']:.1f} s, {n_out / res['elapsed_s']:.1f} output tok/s (other processes: {res['other_cpu_cores']:.2f} cores)")
     finally:
         for worker in workers.values():
             worker.stop()
+        probe.stop()
         monitor.stop()
     for name, peak in monitor.peak.items():
         engines[name]["peak_rss_mib"] = peak / 2**20

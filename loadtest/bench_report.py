@@ -76,6 +76,15 @@ def summarize(results: dict[str, Any]) -> None:
     for e in engines.values():
         for run in e["runs"]:
             run.pop("token_ids", None)
+        e["floor_share"] = spread([r["output_tok_s"] / r["floor_output_tok_s"] for r in e["runs"] if r.get("floor_output_tok_s")])
+    measured = [f for f in results.get("compute_floors", []) if "error" not in f]
+    if measured:  # the floors measured before each run: their spread, W1's FLOPs (the same in each)
+        results["compute_floor"] = {
+            **{k: measured[0][k] for k in ("prefill_flops", "decode_flops", "prefill_rows", "decode_rows")},
+            **{k: spread([f[k] for f in measured]) for k in ("floor_output_tok_s", "decode_tflop_s", "prefill_tflop_s")},
+        }
+    elif results.get("compute_floors"):
+        results["compute_floor"] = {"error": results["compute_floors"][0]["error"]}
     native = engines.get("native", {})
     ratio = native.get("ratio_vs_baseline")
     if ratio and base_name == "hf":
@@ -141,13 +150,16 @@ def markdown(results: dict[str, Any]) -> tuple[str, str]:
             notes.append(f"- **{name}**: peak GPU memory allocated {max(gpu):.0f} MiB.")
     floor = results.get("compute_floor")
     if floor and "error" not in floor:
-        shares = ", ".join(f"{name} {e['output_tok_s']['median'] / floor['floor_output_tok_s']:.0%}"
-                           for name, e in results["engines"].items() if e.get("runs"))
+        def cell(v: dict[str, float], fmt: str) -> str:
+            return f"{v['median']:{fmt}} ({v['min']:{fmt}}–{v['max']:{fmt}})"
+
+        shares = ", ".join(f"{name} {cell(e['floor_share'], '.0%')}" for name, e in results["engines"].items() if e.get("floor_share"))
         notes.append(
-            f"- **compute floor** (loadtest/compute_floor.py, measured in this run): {floor['floor_output_tok_s']:.0f} output tok/s = "
-            f"W1's {floor['prefill_flops'] / 1e9:.0f} GFLOP prefill at {floor['prefill_tflop_s']:.2f} TFLOP/s "
-            f"({floor['prefill_rows']}-row matmuls) + {floor['decode_flops'] / 1e9:.0f} GFLOP decode at "
-            f"{floor['decode_tflop_s']:.2f} TFLOP/s ({floor['decode_rows']}-row matmuls); share of the floor: {shares}."
+            f"- **compute floor** (loadtest/compute_floor.py, measured right before each of the {floor['floor_output_tok_s']['n']} "
+            f"runs): {cell(floor['floor_output_tok_s'], '.0f')} output tok/s = W1's {floor['prefill_flops'] / 1e9:.0f} GFLOP prefill at "
+            f"{cell(floor['prefill_tflop_s'], '.2f')} TFLOP/s ({floor['prefill_rows']}-row matmuls) + {floor['decode_flops'] / 1e9:.0f} "
+            f"GFLOP decode at {cell(floor['decode_tflop_s'], '.2f')} TFLOP/s ({floor['decode_rows']}-row matmuls). Share of the floor, "
+            f"each run against the floor measured just before it: {shares}."
         )
     elif floor:
         notes.append(f"- **compute floor**: not measured ({floor['error']}).")

@@ -57,6 +57,27 @@ def test_summary_spread_paired_ratio_and_reports(tmp_path):
     assert paths.get("png") is None or paths["png"].stat().st_size > 0
 
 
+def test_floor_share_pairs_each_run_with_the_floor_measured_before_it(tmp_path):
+    results = _results([1.0, 2.0, 1.0], [4.0, 4.0, 2.0])
+    floors = [64.0, 32.0, 64.0]  # native's runs: 32, 16, 32 tok/s -> 50%, 50%, 50% of their own floor
+    for run, floor in zip(results["engines"]["native"]["runs"], floors, strict=True):
+        run["floor_output_tok_s"] = floor
+    results["compute_floors"] = [
+        {"repeat": r, "engine": "native", "floor_output_tok_s": f, "decode_tflop_s": f / 100, "prefill_tflop_s": 1.0,
+         "prefill_flops": 2e9, "decode_flops": 3e9, "prefill_rows": 2048, "decode_rows": 64}
+        for r, f in enumerate(floors)
+    ] + [{"repeat": 0, "engine": "hf", "error": "timed out"}]
+    summarize(results)
+    share = results["engines"]["native"]["floor_share"]
+    assert share["median"] == pytest.approx(0.5) and share["min"] == pytest.approx(0.5) and share["max"] == pytest.approx(0.5)
+    assert results["engines"]["hf"]["floor_share"] is None  # its run had no floor measured before it
+    floor = results["compute_floor"]
+    assert floor["floor_output_tok_s"] == {"min": 32.0, "median": 64.0, "max": 64.0, "n": 3}
+    doc = write_reports(results, tmp_path)["md"].read_text()
+    assert "measured right before each of the 3 runs): 64 (32–64) output tok/s" in doc
+    assert "native 50% (50%–50%)" in doc
+
+
 def test_agreement_counts_common_prefix():
     a = agreement([[1, 2, 3], [1, 9, 9]], [[1, 2, 3], [1, 2, 3]])
     assert a == {"first_token_match": 1.0, "exact_match": 0.5, "mean_common_prefix_tokens": 2.0}
