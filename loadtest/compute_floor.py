@@ -17,15 +17,19 @@ import time
 from typing import Any
 
 
-def w1_flops(cfg: dict[str, Any], num_requests: int, prompt_len: int, output_len: int) -> dict[str, float]:
+def token_flops(cfg: dict[str, Any]) -> tuple[int, int, int]:
+    """(the projections' FLOPs per token, the lm_head's per sampled row, attention's per (query, key) pair)."""
     hidden, inter, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
     heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or hidden // heads
     kv = (cfg.get("num_key_value_heads") or heads) * head_dim
     q = heads * head_dim
     per_token = 2 * layers * (hidden * (q + 2 * kv) + q * hidden + hidden * 2 * inter + inter * hidden)
-    head = 2 * hidden * cfg["vocab_size"]
-    attn_per_ctx = 4 * layers * heads * head_dim  # per (query, key) pair
+    return per_token, 2 * hidden * cfg["vocab_size"], 4 * layers * heads * head_dim
+
+
+def w1_flops(cfg: dict[str, Any], num_requests: int, prompt_len: int, output_len: int) -> dict[str, float]:
+    per_token, head, attn_per_ctx = token_flops(cfg)
     # the prompt token at position p attends over p + 1 keys; decode step i (1-based) feeds the token at
     # position prompt_len + i - 1, which attends over prompt_len + i keys
     prefill = num_requests * (prompt_len * per_token + head + attn_per_ctx * prompt_len * (prompt_len + 1) / 2)

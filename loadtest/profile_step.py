@@ -6,7 +6,9 @@ budget). For each, `--steps` profiled steps (after warm-up): every op's self CPU
 its calls per step and its share of the step's wall time, top ops first (the C++ extension's ops
 appear as `cpp::*`); the same with the fused layer ops turned off (residual add + RMSNorm, RoPE + K/V
 write: each then runs as the torch ops it replaces), so the tables show what fusion removed. The two
-configurations alternate; each keeps its fastest round.
+configurations alternate; each keeps its fastest round. Then, without the profiler, where each step's
+wall time goes: the step timed whole, then with the projections, the attention kernels and the fused
+layer ops replaced by no-ops one after another (`decompose`).
 
     python loadtest/profile_step.py                       # -> reports/profile_cpu.{md,json}
     python loadtest/profile_step.py --quick               # -> build/profile-quick/
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -28,6 +31,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "loadtest"))
 
+from compute_floor import matmul_rate, token_flops  # noqa: E402
 from decode_sweep import decode_batch  # noqa: E402
 
 from serve_app.config import EngineConfig  # noqa: E402
@@ -76,6 +80,69 @@ def breakdown(runner: ModelRunner, batch: SchedulerOutput, steps: int, top: int)
     return {"step_ms": wall * 1e3, "op_calls_per_step": calls, "outside_ops_ms": outside, "ops": ops}
 
 
+def median_step_ms(runner: ModelRunner, batch: SchedulerOutput, steps: int) -> float:
+    for _ in range(2):
+        runner.execute_model(batch)
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        runner.execute_model(batch)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def decompose(runner: ModelRunner, batch: SchedulerOutput, steps: int) -> dict:
+    """Where a step's wall time goes, without the profiler's own cost: the step is timed whole, then
+    with its parts replaced by no-ops one after another (the projections and the lm_head by their
+    first outputs, cached; then the attention kernels; then RoPE + K/V write and add + RMSNorm), each
+    part's cost being what removing it saved. The outputs are meaningless once parts are gone; only the
+    times are used. Everything is restored afterwards."""
+    model = runner.model
+    saved_runner = {k: getattr(runner, k) for k in ("decode_kernel", "prefill_kernel")}
+    saved_model = {k: getattr(model, k) for k in ("_linear", "_rope_write_kv_op", "_add_rms_norm_op")}
+    memo: dict = {}
+
+    def cached(fn):  # the first output per (rows, weight): the same shapes, no matmul
+        def call(*args):
+            key = (fn, args[0].shape[0], *(id(a) for a in args[1:2]))
+            if key not in memo:
+                memo[key] = fn(*args)
+            return memo[key]
+        return call
+
+    def no_op(*args):
+        return None
+
+    def no_projections():
+        model._linear = cached(saved_model["_linear"])
+        model.compute_logits = cached(type(model).compute_logits.__get__(model))
+
+    def no_attention():
+        runner.decode_kernel = saved_runner["decode_kernel"] and no_op
+        runner.prefill_kernel = saved_runner["prefill_kernel"] and no_op
+
+    def no_layer_ops():
+        model._rope_write_kv_op = saved_model["_rope_write_kv_op"] and no_op
+        model._add_rms_norm_op = saved_model["_add_rms_norm_op"] and (lambda x, residual, weight, eps: x)
+
+    stages = [("the whole step", lambda: None), ("projections and lm_head (oneDNN bf16 matmuls)", no_projections),
+              ("attention kernels", no_attention), ("RoPE + K/V write, residual add + RMSNorm (C++ ops)", no_layer_ops)]
+    times = []
+    try:
+        for _, remove in stages:
+            remove()
+            times.append(median_step_ms(runner, batch, steps))
+    finally:
+        for k, v in saved_runner.items():
+            setattr(runner, k, v)
+        for k, v in saved_model.items():
+            setattr(model, k, v)
+        vars(model).pop("compute_logits", None)
+    parts = [{"part": name, "ms_per_step": before - after} for (name, _), before, after in zip(stages[1:], times, times[1:], strict=False)]
+    parts.append({"part": "the rest: SiLU·mul, embedding, input preparation, sampling, Python", "ms_per_step": times[-1]})
+    return {"step_ms": times[0], "parts": parts}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="models/smollm2-135m-instruct")
@@ -115,6 +182,19 @@ def main() -> int:
                 print(f"[profile] {key}: {run['step_ms']:.1f} ms/step, {run['op_calls_per_step']:.0f} op calls/step", flush=True)
                 if key not in result["runs"] or run["step_ms"] < result["runs"][key]["step_ms"]:
                     result["runs"][key] = run
+    for attr, op in fused_ops.items():
+        setattr(model, attr, op)
+    result["decomposed"] = {}
+    hf_cfg = cfg.model.hf_config()
+    per_token, head, _ = token_flops(hf_cfg)
+    for name, batch in shapes.items():
+        result["decomposed"][name] = run = decompose(runner, batch, steps)
+        # the same matmuls at the compute floor's rate (loadtest/compute_floor.py: one layer's weights, hot in cache)
+        rows, sampled = batch.num_batched_tokens, len(batch.scheduled)
+        rate = matmul_rate(hf_cfg, rows, "bfloat16", "cpu", with_head=name == "decode")
+        run["projections_at_floor_rate_ms"] = (rows * per_token + sampled * head) / rate * 1e3
+        print(f"[profile] {name} without the profiler: {run['step_ms']:.1f} ms/step; "
+              + ", ".join(f"{p['part'].split(' (')[0]} {p['ms_per_step']:.1f}" for p in run["parts"]), flush=True)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "profile_cpu.json").write_text(json.dumps(result, indent=2) + "\n")
     lines = ["# Per-op time breakdown of engine steps (CPU, bf16)", "", f"`{result['command']}`", "",
@@ -126,6 +206,14 @@ def main() -> int:
         lines += [f"| `{o['op']}` | {o['ms_per_step']:.2f} | {o['calls_per_step']:.0f} | {100 * o['share']:.1f}% |" for o in run["ops"]]
         lines += ["", f"Outside every op (Python, dispatch, allocation, the profiler's own cost): {run['outside_ops_ms']:.1f} ms/step "
                   f"({100 * run['outside_ops_ms'] / run['step_ms']:.0f}%).", ""]
+    lines += ["## Where a step's time goes, without the profiler", "",
+              "Each fused step timed whole (median of the steps), then with its parts replaced by no-ops one after another "
+              "(`decompose`): a part's cost is what removing it saved.", ""]
+    for name, run in result["decomposed"].items():
+        lines += [f"### {name}: {run['step_ms']:.1f} ms/step", "", "| part | ms/step | share |", "|---|---|---|"]
+        lines += [f"| {p['part']} | {p['ms_per_step']:.1f} | {100 * p['ms_per_step'] / run['step_ms']:.0f}% |" for p in run["parts"]]
+        lines += ["", f"The same projections at the compute floor's matmul rate (one layer's weights, hot in cache; "
+                  f"`loadtest/compute_floor.py`): {run['projections_at_floor_rate_ms']:.1f} ms.", ""]
     (out_dir / "profile_cpu.md").write_text("\n".join(lines))
     print(f"[profile] wrote {out_dir}/profile_cpu.{{md,json}}")
     return 0
