@@ -102,9 +102,12 @@ def worker_main(name: str, opts: dict[str, Any], conn) -> None:
         conn.close()
 
 
-def floor_main(opts: dict[str, Any], conn) -> None:
-    """Measures the run's compute floor (loadtest/compute_floor.py), with the engines' thread count,
-    on every ("measure",) until ("stop",)."""
+def floor_main(_name: str, opts: dict[str, Any], conn) -> None:
+    """The compute-floor worker, kept for the whole run: measures the run's compute floor
+    (loadtest/compute_floor.py), with the engines' thread count, on every ("measure",) until ("stop",).
+    The floor is measured right before every engine run, so each run is compared with the machine's
+    speed at that moment (this machine's speed drifts by 10-15% over minutes, enough to move a share
+    measured once by as much)."""
     try:
         import torch
 
@@ -117,34 +120,6 @@ def floor_main(opts: dict[str, Any], conn) -> None:
         conn.send({"error": repr(exc)})
     finally:
         conn.close()
-
-
-class FloorProbe:
-    """The compute-floor process, kept for the whole run: the floor is measured right before every
-    engine run, so each run is compared with the machine's speed at that moment (this machine's
-    speed drifts by 10-15% over minutes, enough to move a share measured once by as much)."""
-
-    def __init__(self, ctx, opts: dict[str, Any]) -> None:
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=floor_main, args=(opts, child), name="bench-floor", daemon=True)
-        self.proc.start()
-        child.close()
-
-    def measure(self) -> dict[str, Any]:
-        try:
-            self.conn.send(("measure",))
-            return self.conn.recv() if self.conn.poll(600) else {"error": "timed out"}
-        except (BrokenPipeError, EOFError, OSError) as exc:
-            return {"error": f"floor process gone ({exc!r})"}
-
-    def stop(self) -> None:
-        try:
-            self.conn.send(("stop",))
-        except (BrokenPipeError, OSError):
-            pass
-        self.proc.join(30)
-        if self.proc.is_alive():
-            self.proc.kill()
 
 
 # ---- parent side ---------------------------------------------------------------------------------
@@ -212,10 +187,10 @@ class RssMonitor(threading.Thread):
 
 
 class Worker:
-    def __init__(self, ctx, name: str, opts: dict[str, Any]) -> None:
+    def __init__(self, ctx, name: str, opts: dict[str, Any], main=worker_main) -> None:
         self.name = name
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=worker_main, args=(name, opts, child), name=f"bench-{name}")  # not a daemon: vLLM starts processes of its own
+        self.proc = ctx.Process(target=main, args=(name, opts, child), name=f"bench-{name}")  # not a daemon: vLLM starts processes of its own
         self.proc.start()
         child.close()
 
@@ -244,6 +219,16 @@ class Worker:
                 child.kill()
             self.proc.kill()
             self.proc.join()
+
+
+def measure_floor(floor_worker: Worker) -> dict[str, Any]:
+    """One compute-floor measurement from the `floor_main` worker, or {"error": ...}."""
+    try:
+        floor_worker.conn.send(("measure",))
+    except (BrokenPipeError, OSError) as exc:
+        return {"error": f"floor process gone ({exc!r})"}
+    msg = floor_worker.recv(600)
+    return msg if isinstance(msg, dict) else {"error": msg[1]}
 
 
 def timed_run(worker: Worker, prompts: list[list[int]], opts: dict[str, Any], label: str) -> dict[str, Any]:
@@ -379,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
 
     ctx = mp.get_context("spawn")
     log("compute floor: bf16 matmul rates at this run's decode and prefill shapes, before every run ...")
-    probe = FloorProbe(ctx, opts)
+    floor_worker = Worker(ctx, "floor", opts, main=floor_main)
     results["compute_floors"] = []
     monitor = RssMonitor()
     monitor.start()
@@ -404,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
             order = order[rep % len(order) :] + order[: rep % len(order)] if order else order
             for name in order:
                 label = f"repeat {rep + 1}/{args.repeats} {name}"
-                floor = probe.measure()
+                floor = measure_floor(floor_worker)
                 results["compute_floors"].append({**floor, "repeat": rep, "engine": name})
                 if "error" not in floor:
                     log(f"{label}: compute floor {floor['floor_output_tok_s']:.0f} output tok/s (decode {floor['decode_tflop_s']:.2f} "
@@ -425,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for worker in workers.values():
             worker.stop()
-        probe.stop()
+        floor_worker.stop()
         monitor.stop()
     for name, peak in monitor.peak.items():
         engines[name]["peak_rss_mib"] = peak / 2**20

@@ -160,7 +160,7 @@ class StreamResult:
         self.num_chunks_with_text = 0
         self.usage: dict | None = None
         self.text_parts: list[str] = []
-        self.finish_reasons: list[str] = []
+        self.said_finish = False  # some choice carried a finish_reason
         self.done = False
         self.error: str | None = None
         self.num_bytes = 0
@@ -168,7 +168,7 @@ class StreamResult:
     @property
     def empty_reply(self) -> bool:
         """Ended properly, saying why it finished, with no text at all."""
-        return self.done and self.first_token_s is None and bool(self.finish_reasons)
+        return self.done and self.first_token_s is None and self.said_finish
 
     @property
     def num_output_tokens(self) -> int:
@@ -185,8 +185,7 @@ class StreamResult:
         if event.get("usage"):
             self.usage = event["usage"]
         for choice in event.get("choices") or ():
-            if choice.get("finish_reason"):
-                self.finish_reasons.append(choice["finish_reason"])
+            self.said_finish = self.said_finish or bool(choice.get("finish_reason"))
             text = choice.get("text")
             if text is None:
                 text = (choice.get("delta") or {}).get("content")
