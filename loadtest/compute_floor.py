@@ -5,7 +5,8 @@ FLOPs (multiply-adds count 2): every token of the run goes through the decoder's
 per layer); the lm_head runs once per sampled token (a prompt's last token, then every decode).
 Prefill tokens are counted at the rate of a `prefill_rows`-row matmul (the step token budget), decode
 tokens at a `decode_rows`-row one (the batch), each measured here with the model's own projection
-shapes in its dtype (on CPU in bf16 oneDNN with packed weights, as the engine runs them), after warm-up, best of `repeats`. Attention FLOPs are
+shapes in its dtype (on CPU in bf16: oneDNN with packed weights, and the engine's C++ kernels where
+they run, whichever is faster), after warm-up, best of `repeats`. Attention FLOPs are
 charged at the same rate, so the floor is optimistic: no engine can beat it on this machine.
 
 `measure(...)` runs in the benchmark's own worker process, with the engines' thread count.
@@ -53,13 +54,16 @@ def matmul_rate(cfg: dict[str, Any], rows: int, dtype_name: str, device: str, re
     shapes = [(hidden, q + 2 * kv), (q, hidden), (hidden, 2 * inter), (inter, hidden)] + ([(hidden, cfg["vocab_size"])] if with_head else [])
     mats = [(torch.randn(rows, k, device=device).to(dtype), torch.randn(n, k, device=device).to(dtype)) for k, n in shapes]
     flops = sum(2 * rows * k * n for k, n in shapes)
-    linear = F.linear
+    linears = {"torch": (F.linear, mats)}
     if device == "cpu" and dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        # the engine's own matmul: oneDNN with weights packed once (faster than F.linear's per-call packing)
-        mats = [(x, torch.ops.mkldnn._reorder_linear_weight(w, None)) for x, w in mats]
+        # oneDNN with weights packed once (faster than F.linear's per-call packing)
+        linears = {"onednn": (lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""),
+                              [(x, torch.ops.mkldnn._reorder_linear_weight(w, None)) for x, w in mats])}
+        from serve_app.engine import cpu_kernels
 
-        def linear(x, w):
-            return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+        kernels = cpu_kernels.linear_kernels([n for _, n in shapes], [k for k, _ in shapes])
+        if kernels is not None:  # and the engine's own kernels where it runs them: the floor takes the faster
+            linears["kernels"] = (kernels.linear, [(x, kernels.pack(w)) for x, w in mats])
 
     def sync() -> None:
         if device.startswith("cuda"):
@@ -67,13 +71,14 @@ def matmul_rate(cfg: dict[str, Any], rows: int, dtype_name: str, device: str, re
 
     best = float("inf")
     with torch.inference_mode():
-        for _ in range(repeats + 1):  # the first pass warms up
-            sync()
-            t0 = time.perf_counter()
-            for x, w in mats:
-                linear(x, w)
-            sync()
-            best = min(best, time.perf_counter() - t0)
+        for _ in range(repeats + 1):  # the first pass warms up; implementations alternate
+            for linear, packed in linears.values():
+                sync()
+                t0 = time.perf_counter()
+                for x, w in packed:
+                    linear(x, w)
+                sync()
+                best = min(best, time.perf_counter() - t0)
     return flops / best
 
 

@@ -99,7 +99,7 @@ def decompose(runner: ModelRunner, batch: SchedulerOutput, steps: int) -> dict:
     times are used. Everything is restored afterwards."""
     model = runner.model
     saved_runner = {k: getattr(runner, k) for k in ("decode_kernel", "prefill_kernel")}
-    saved_model = {k: getattr(model, k) for k in ("_linear", "_rope_write_kv_op", "_add_rms_norm_op")}
+    saved_model = {k: getattr(model, k) for k in ("_linear", "_silu_mul_linear", "_rope_write_kv_op", "_add_rms_norm_op")}
     memo: dict = {}
 
     def cached(fn):  # the first output per (rows, weight): the same shapes, no matmul
@@ -115,6 +115,7 @@ def decompose(runner: ModelRunner, batch: SchedulerOutput, steps: int) -> dict:
 
     def no_projections():
         model._linear = cached(saved_model["_linear"])
+        model._silu_mul_linear = saved_model["_silu_mul_linear"] and cached(saved_model["_silu_mul_linear"])
         model.compute_logits = cached(type(model).compute_logits.__get__(model))
 
     def no_attention():
@@ -125,7 +126,8 @@ def decompose(runner: ModelRunner, batch: SchedulerOutput, steps: int) -> dict:
         model._rope_write_kv_op = saved_model["_rope_write_kv_op"] and no_op
         model._add_rms_norm_op = saved_model["_add_rms_norm_op"] and (lambda x, residual, weight, eps: x)
 
-    stages = [("the whole step", lambda: None), ("projections and lm_head (oneDNN bf16 matmuls)", no_projections),
+    matmuls = "C++ bf16 kernels, SiLU·mul fused" if runner.linear_impl == "kernels" else "oneDNN bf16 matmuls"
+    stages = [("the whole step", lambda: None), (f"projections and lm_head ({matmuls})", no_projections),
               ("attention kernels", no_attention), ("RoPE + K/V write, residual add + RMSNorm (C++ ops)", no_layer_ops)]
     times = []
     try:
@@ -139,7 +141,8 @@ def decompose(runner: ModelRunner, batch: SchedulerOutput, steps: int) -> dict:
             setattr(model, k, v)
         vars(model).pop("compute_logits", None)
     parts = [{"part": name, "ms_per_step": before - after} for (name, _), before, after in zip(stages[1:], times, times[1:], strict=False)]
-    parts.append({"part": "the rest: SiLU·mul, embedding, input preparation, sampling, Python", "ms_per_step": times[-1]})
+    silu = "" if saved_model["_silu_mul_linear"] else "SiLU·mul, "  # else fused into the gate/up matmul, counted with it
+    parts.append({"part": f"the rest: {silu}embedding, input preparation, sampling, Python", "ms_per_step": times[-1]})
     return {"step_ms": times[0], "parts": parts}
 
 
@@ -161,6 +164,10 @@ def main() -> int:
     runner = ModelRunner(cfg.model, cfg.cache, cfg.model.hf_config(), cfg.scheduler)
     model = runner.model
     model._rms_norm_op = labeled("cpp::rms_norm", model._rms_norm_op)
+    if runner.linear_impl == "kernels":  # the C++ projections (else oneDNN's, a dispatcher op the profiler names)
+        model._linear = labeled("cpp::linear", model._linear)
+        model._silu_mul_linear = labeled("cpp::linear_silu_mul", model._silu_mul_linear)
+        model._logits_linear = labeled("cpp::linear_logits", model._logits_linear)
     runner.decode_kernel = labeled("cpp::paged_decode", runner.decode_kernel)
     runner.prefill_kernel = labeled("cpp::paged_prefill", runner.prefill_kernel)
     runner.argmax = labeled("cpp::argmax", runner.argmax)

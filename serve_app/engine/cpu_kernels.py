@@ -15,6 +15,10 @@
   written to their cache slots, one pass per token, bit-identical to the torch ops it replaces.
 - `argmax_rows` (csrc/argmax.cpp): greedy sampling's argmax over fp32 logits at memory speed,
   with torch.argmax's answer (first maximum; first NaN).
+- `linear_bf16`, `linear_silu_mul_bf16`, `linear_logits_bf16` (csrc/linear_bf16.cpp): the bf16
+  projections over weights in their own packed layout (AVX512-BF16), SiLU·mul fused into the gate/up
+  matmul and fp32 logits out of the lm_head, bit-identical to the torch ops; `linear_kernels()`
+  bundles them where they beat oneDNN.
 
 `op(name)` returns one of them by name, or None (with a warning, once) when the
 extension cannot be built; callers then use the torch path. `python -m serve_app.engine.cpu_kernels`
@@ -27,6 +31,8 @@ import functools
 import hashlib
 import logging
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +72,31 @@ def op(name: str) -> Any | None:
     """The extension's op `name` (`paged_decode`, `rms_norm_bf16`, ...), or None without the extension."""
     ext = _extension()
     return None if ext is None else getattr(ext, name)
+
+
+@dataclass(frozen=True)
+class LinearKernels:
+    """The C++ bf16 projection kernels (csrc/linear_bf16.cpp), as `LlamaForCausalLM.pack_linear_weights` uses them."""
+
+    pack: Callable  # (w [N, K], interleave=False) -> packed
+    linear: Callable  # (x [M, K], packed, bias=None) -> [M, N] bf16
+    silu_mul: Callable  # (x, packed gate/up, interleaved) -> silu(gate) * up [M, N / 2] bf16
+    logits: Callable  # (x, packed lm_head) -> [M, N] fp32 (the bf16 result, widened)
+
+
+def linear_kernels(out_features: list[int], in_features: list[int]) -> LinearKernels | None:
+    """The kernels where they are the faster choice: built with AVX512-BF16, on a CPU without AMX
+    (oneDNN's AMX kernels are several times faster at prefill shapes there), and every projection's
+    shape fits their layout (N a multiple of 32, K even). None otherwise: callers keep oneDNN."""
+    import torch
+
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
+    supported = op("linear_bf16_supported")
+    if amx or supported is None or not supported():
+        return None
+    if any(n % 32 for n in out_features) or any(k % 2 for k in in_features):
+        return None
+    return LinearKernels(op("pack_linear_bf16"), op("linear_bf16"), op("linear_silu_mul_bf16"), op("linear_logits_bf16"))
 
 
 if __name__ == "__main__":

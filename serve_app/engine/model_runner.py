@@ -77,9 +77,13 @@ class ModelRunner:
         t0 = time.monotonic()
         self.model = load_model(model_config.model, hf_config, self.dtype, model_config.device)
         self.args = self.model.args
-        self.packed_weights = self.model.pack_linear_weights()
         self.backend = resolve_backend(model_config.attention_backend, self.device, self.dtype)
         use_cpu_ops = self.backend == "cpu_kernel"
+        a = self.args
+        kernels = cpu_kernels.linear_kernels(
+            [(a.num_heads + 2 * a.num_kv_heads) * a.head_dim, a.hidden_size, 2 * a.intermediate_size, a.vocab_size],
+            [a.hidden_size, a.num_heads * a.head_dim, a.intermediate_size]) if use_cpu_ops and self.dtype == torch.bfloat16 else None
+        self.linear_impl = self.model.pack_linear_weights(kernels)  # "kernels" (C++), "onednn" or "dense"
         if use_cpu_ops and self.dtype == torch.bfloat16:
             self.model.use_rms_norm_op(cpu_kernels.op("rms_norm_bf16"))
             self.model.use_add_rms_norm_op(cpu_kernels.op("add_rms_norm_bf16"))
@@ -129,7 +133,7 @@ class ModelRunner:
             "model loaded in %.1fs: %d layers, KV cache %d blocks x %d tokens (%.0f MiB), attention: %s%s, weights: %s",
             time.monotonic() - t0, self.args.num_layers, self.num_blocks, self.block_size,
             self.kv_cache_bytes / 2**20, self.backend, " + decode CUDA graphs" if self.decode_graphs else "",
-            "oneDNN packed" if self.packed_weights else "dense",
+            {"kernels": "C++ bf16 kernels", "onednn": "oneDNN packed", "dense": "dense"}[self.linear_impl],
         )
 
     def _tensor(self, data: list, dtype: torch.dtype = torch.long) -> torch.Tensor:

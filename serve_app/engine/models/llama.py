@@ -116,6 +116,10 @@ def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
+def _packed_logits(x: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+    return _packed_linear(x, head).float()
+
+
 class LlamaLayer(nn.Module):
     def __init__(self, args: LlamaArgs) -> None:
         super().__init__()
@@ -140,8 +144,10 @@ class LlamaForCausalLM(nn.Module):
         self.scale = args.head_dim**-0.5
         self._cos: torch.Tensor | None = None
         self._sin: torch.Tensor | None = None
-        self._linear = F.linear
+        self._linear = F.linear  # (x, weight, bias) -> y, for the weights as `pack_linear_weights` left them
+        self._silu_mul_linear = None  # (x, gate_up) -> silu(gate) * up, where a kernel fuses it (C++ CPU kernels)
         self._lm_head_packed: torch.Tensor | None = None
+        self._logits_linear = None  # (x, packed lm_head) -> fp32 logits
         self._rms_norm_op = None  # (x, weight, eps) -> normed, replacing F.rms_norm (bf16 CPU op)
         self._add_rms_norm_op = None  # (x, residual, weight, eps) -> normed, residual += x in place (bf16 CPU op)
         self._rope_write_kv_op = None  # RoPE on q/k in place + k/v to the cache (bf16 CPU op, csrc/rope_kv.cpp)
@@ -173,22 +179,41 @@ class LlamaForCausalLM(nn.Module):
             return self._rms_norm_op(x, weight, self.args.rms_norm_eps)
         return F.rms_norm(x, (self.args.hidden_size,), weight, self.args.rms_norm_eps)
 
-    def pack_linear_weights(self) -> bool:
-        """On CPU in bf16, hand every projection's weight to oneDNN in its packed layout, once.
+    def pack_linear_weights(self, kernels=None) -> str:
+        """On CPU in bf16, put every projection's weight in a packed layout once; returns what runs the
+        projections from then on: "kernels", "onednn" or "dense" (nothing changed: other devices, dtypes).
 
-        F.linear re-packs the weight on every call; packed, a batch-64 decode step's matmuls run
-        10-25% faster, with bit-identical results. Returns False (and changes nothing) elsewhere.
+        - `kernels` (`cpu_kernels.LinearKernels`, the C++ AVX512-BF16 kernels) when given: their own
+          layout, the gate/up halves interleaved so that SiLU·mul runs in the matmul's epilogue and
+          the lm_head writes fp32 logits directly; bit-identical to the unfused torch ops.
+        - else oneDNN's layout (`torch.ops.mkldnn._reorder_linear_weight`): F.linear re-packs the
+          weight on every call; packed, a batch-64 decode step's matmuls run 10-25% faster, with
+          bit-identical results.
         The dense embedding stays for lookups; a tied lm_head gets its own packed copy.
         """
-        if not (self.embed.device.type == "cpu" and self.embed.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
-            return False
+        if not (self.embed.device.type == "cpu" and self.embed.dtype == torch.bfloat16):
+            return "dense"
+        head = self.embed if self.lm_head is None else self.lm_head
+        if kernels is not None:
+            for layer in self.layers:
+                for name in ("qkv", "o", "down"):
+                    setattr(layer, name, nn.Parameter(kernels.pack(getattr(layer, name).data), requires_grad=False))
+                layer.gate_up = nn.Parameter(kernels.pack(layer.gate_up.data, interleave=True), requires_grad=False)
+            self._lm_head_packed = kernels.pack(head.data)
+            self._linear = kernels.linear
+            self._silu_mul_linear = kernels.silu_mul
+            self._logits_linear = kernels.logits
+            return "kernels"
+        if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            return "dense"
         pack = torch.ops.mkldnn._reorder_linear_weight
         for layer in self.layers:
             for name in ("qkv", "o", "gate_up", "down"):
                 setattr(layer, name, nn.Parameter(pack(getattr(layer, name).data, None), requires_grad=False))
-        self._lm_head_packed = pack(self.embed.data if self.lm_head is None else self.lm_head.data, None)
+        self._lm_head_packed = pack(head.data, None)
         self._linear = _packed_linear
-        return True
+        self._logits_linear = _packed_logits
+        return "onednn"
 
     def init_rope(self, max_positions: int) -> None:
         """cos/sin tables [max_positions, head_dim] in the model dtype (computed in fp32, as HF does)."""
@@ -239,13 +264,17 @@ class LlamaForCausalLM(nn.Module):
             v = qkv[:, q_size + kv_size :].view(num_tokens, a.num_kv_heads, a.head_dim)
             attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, kv_written=fused_rope)  # [T, H, D]
             x, residual = self._add_norm(self._linear(attn.view(num_tokens, q_size), layer.o), residual, layer.post_norm)
-            gate, up = self._linear(x, layer.gate_up).chunk(2, dim=-1)
-            hidden = self._linear(F.silu(gate) * up, layer.down)
+            if self._silu_mul_linear is not None:
+                act = self._silu_mul_linear(x, layer.gate_up)
+            else:
+                gate, up = self._linear(x, layer.gate_up).chunk(2, dim=-1)
+                act = F.silu(gate) * up
+            hidden = self._linear(act, layer.down)
         return residual + hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[S, hidden] → fp32 logits [S, vocab]."""
         x = self._norm(hidden, self.norm)
         if self._lm_head_packed is not None:
-            return _packed_linear(x, self._lm_head_packed).float()
+            return self._logits_linear(x, self._lm_head_packed)
         return F.linear(x, self.embed if self.lm_head is None else self.lm_head).float()
