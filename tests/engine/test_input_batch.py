@@ -96,6 +96,28 @@ def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
     assert resolve_backend("torch", torch.device("cuda"), torch.float32) == "torch"
 
 
+def test_auto_on_cuda_passes_over_a_flashinfer_that_does_not_import(tmp_path, monkeypatch):
+    """flashinfer installed but broken (e.g. its wheel copied over without its dependencies): `auto`
+    must fall back to Triton rather than fail building the engine; a working one is chosen."""
+    import sys
+
+    from serve_app.engine.attention_backends import resolve_backend
+
+    broken, working = tmp_path / "broken", tmp_path / "working"
+    for root, body in ((broken, "raise ImportError('No module named tvm_ffi')\n"), (working, "")):
+        (root / "flashinfer").mkdir(parents=True)
+        (root / "flashinfer" / "__init__.py").write_text(body)
+    cuda = torch.device("cuda")  # resolve_backend only looks at the device type
+    try:
+        monkeypatch.syspath_prepend(str(broken))
+        assert resolve_backend("auto", cuda, torch.bfloat16) == "triton"
+        monkeypatch.syspath_prepend(str(working))
+        assert resolve_backend("auto", cuda, torch.bfloat16) == "flashinfer"
+        assert resolve_backend("auto", cuda, torch.float32) == "triton"  # no fp32 kernels in FlashInfer
+    finally:
+        sys.modules.pop("flashinfer", None)
+
+
 def test_flashinfer_page_lists():
     """FlashInfer's page lists (its module imports flashinfer only when a backend is built)."""
     import numpy as np
