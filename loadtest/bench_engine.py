@@ -23,6 +23,7 @@ import argparse
 import datetime as dt
 import importlib.metadata
 import json
+import math
 import multiprocessing as mp
 import os
 import platform
@@ -37,7 +38,12 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-import psutil
+# process-tree RSS and CPU accounting. Optional: the GPU check machine's system python has no psutil;
+# without it the benchmark still runs, with no peak RSS and NaN for the other processes' CPU.
+try:
+    import psutil
+except ImportError:
+    psutil = None
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_report import summarize, write_reports  # noqa: E402
@@ -123,7 +129,10 @@ def floor_main(_name: str, opts: dict[str, Any], conn) -> None:
 
 
 # ---- parent side ---------------------------------------------------------------------------------
-def _tree(pid: int) -> list[psutil.Process]:
+def _tree(pid: int) -> list:
+    """The process and its descendants (psutil.Process); [] without psutil."""
+    if psutil is None:
+        return []
     try:
         proc = psutil.Process(pid)
         return [proc, *proc.children(recursive=True)]
@@ -153,18 +162,23 @@ def tree_cpu_s(pid: int) -> float:
 
 
 def own_cpu_s(worker: Worker) -> float:
-    """CPU seconds of this run's engine (its process tree) and of this parent process."""
+    """CPU seconds of this run's engine (its process tree) and of this parent process (NaN without psutil)."""
+    if psutil is None:
+        return math.nan
     me = psutil.Process().cpu_times()
     return tree_cpu_s(worker.proc.pid) + me.user + me.system
 
 
 def busy_cpu_s() -> float:
+    """CPU seconds the whole machine has been busy (NaN without psutil)."""
+    if psutil is None:
+        return math.nan
     t = psutil.cpu_times()
     return sum(t) - t.idle - getattr(t, "iowait", 0.0)
 
 
 class RssMonitor(threading.Thread):
-    """Samples each worker's process-tree RSS (psutil) and keeps the peak per engine."""
+    """Samples each worker's process-tree RSS (psutil) and keeps the peak per engine (none without psutil)."""
 
     def __init__(self, period_s: float = 0.1) -> None:
         super().__init__(daemon=True)
@@ -177,6 +191,8 @@ class RssMonitor(threading.Thread):
         self.pids[name] = pid
 
     def run(self) -> None:
+        if psutil is None:
+            return
         while not self._halt.wait(self.period_s):
             for name, pid in list(self.pids.items()):
                 self.peak[name] = max(self.peak.get(name, 0), tree_rss(pid))
@@ -248,7 +264,7 @@ def timed_run(worker: Worker, prompts: list[list[int]], opts: dict[str, Any], la
     if msg[0] != "result":
         return {"error": msg[1]}
     res = msg[1]
-    res["other_cpu_cores"] = max(0.0, other / wall)  # CPU that other processes used meanwhile (noise)
+    res["other_cpu_cores"] = max(0.0, other / wall) if psutil else math.nan  # CPU other processes used meanwhile (noise)
     return res
 
 
@@ -274,8 +290,8 @@ def machine_info(device: str) -> dict[str, Any]:
     return {
         "cpu": cpu_model,
         "logical_cores": os.cpu_count(),
-        "physical_cores": psutil.cpu_count(logical=False),
-        "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+        "physical_cores": psutil.cpu_count(logical=False) if psutil else None,
+        "memory_gib": round(psutil.virtual_memory().total / 2**30, 1) if psutil else None,
         "python": platform.python_version(),
         "torch": version("torch"),
         "transformers": version("transformers"),
@@ -381,8 +397,11 @@ def main(argv: list[str] | None = None) -> int:
                 worker.stop()
                 continue
             engines[name].update(msg[1])
-            engines[name]["rss_ready_mib"] = tree_rss(worker.proc.pid) / 2**20
-            log(f"{name}: ready (load {msg[1]['load_s']:.1f} s, warm-up {msg[1]['warmup_s']:.1f} s, RSS {engines[name]['rss_ready_mib']:.0f} MiB)")
+            rss = ""
+            if psutil is not None:
+                engines[name]["rss_ready_mib"] = tree_rss(worker.proc.pid) / 2**20
+                rss = f", RSS {engines[name]['rss_ready_mib']:.0f} MiB"
+            log(f"{name}: ready (load {msg[1]['load_s']:.1f} s, warm-up {msg[1]['warmup_s']:.1f} s{rss})")
             workers[name] = worker
         for rep in range(args.repeats):
             order = list(workers)

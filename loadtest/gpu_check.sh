@@ -9,11 +9,13 @@
 #       (--system-site-packages, plus a .pth file when that python is itself a venv) so that its
 #       torch is reused (the repo pins torch==2.13.0, and `==2.13.0` accepts 2.13.0+cuXXX; with
 #       another version pip fetches 2.13.0, a CUDA build on PyPI) + `make install VENV=$VENV`;
-#       if that install fails (no network, Python not 3.11, ...), the system python itself with
+#       if that install fails (Python not 3.11, no `make`, ...), or pip's index does not answer (no
+#       network: then no venv is made and no install tried), the system python itself with
 #       PYTHONPATH=. and no install at all, when it has what the tests need (torch, transformers,
-#       safetensors, tokenizers, jinja2, psutil, pytest);
+#       safetensors, tokenizers, jinja2, numpy, pytest; psutil, Triton and FlashInfer are optional);
 #    c. else `make install VENV=$VENV`, then, if its torch is a CPU build and TORCH_CUDA_INDEX_URL
 #       names PyTorch's CUDA wheel index for this machine's CUDA, torch==2.13.0 from there.
+#    Nothing is installed when pip's index ($PIP_INDEX_URL, default PyPI) does not answer.
 # 2. The model: $MODEL_DIR (default models/smollm2-135m-instruct) as it is, else `make model`.
 #    Without network, copy the model directory over; if only its small files are there (config.json,
 #    tokenizer.json, tokenizer_config.json, chat_template.jinja, generation_config.json: no weights),
@@ -67,8 +69,33 @@ has_cuda() {
     [[ "$DEVICE" == cpu ]] && { "$1" -c 'import torch' >/dev/null 2>&1; return; }
     "$1" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' >/dev/null 2>&1
 }
+# what the GPU tests import (neither they, the engine nor the scripts below need psutil, which the
+# GPU machine's system python lacks)
 can_run_tests() {
-    "$1" -c 'import torch, transformers, safetensors, tokenizers, jinja2, psutil, pytest' >/dev/null 2>&1
+    "$1" -c 'import torch, transformers, safetensors, tokenizers, jinja2, numpy, pytest' >/dev/null 2>&1
+}
+# whether pip's index answers: offline, each pip call of `make install` fails only after its
+# retries and timeouts, minutes of the budget
+online() {
+    timeout 15 "$SYS_PY" -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=5)' \
+        "${PIP_INDEX_URL:-https://pypi.org/simple/}" >/dev/null 2>&1
+}
+# $VENV over the system python's packages; false, with no $VENV left behind, if that fails (e.g. a
+# Debian/Ubuntu python without python3-venv: no ensurepip)
+make_system_venv() {
+    [[ -d "$VENV" ]] && return 0
+    local sys_site venv_site
+    if "$SYS_PY" -m venv --system-site-packages "$VENV" >>"$LOG" 2>&1 \
+        && sys_site=$("$SYS_PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') \
+        && venv_site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'); then
+        # when $SYS_PY is itself a venv, --system-site-packages shows its base Python, not its packages:
+        # a .pth file appends them to the new venv's path (packages installed in the new venv win)
+        echo "$sys_site" >"$venv_site/zz_system_packages.pth"
+        return 0
+    fi
+    say "could not create $VENV with $SYS_PY -m venv (see $LOG)"
+    rm -rf "$VENV"
+    return 1
 }
 
 # ---- 0. the machine ----------------------------------------------------------------------------
@@ -80,30 +107,32 @@ fi
 
 # ---- 1. python environment ---------------------------------------------------------------------
 PY=""
+ONLINE=0
+if online; then ONLINE=1; else say "pip's index does not answer (no network): nothing will be installed"; fi
 if [[ -x "$VENV/bin/python" ]] && has_cuda "$VENV/bin/python"; then
     PY="$VENV/bin/python"
-    say "using $VENV (its torch can use $DEVICE); running make install to bring it up to date"
-    timeout "$(budget 300 240)" make install VENV="$VENV" >>"$LOG" 2>&1 || say "make install failed (see $LOG); using $VENV as it is"
-elif has_cuda "$SYS_PY"; then
-    say "system $SYS_PY has a CUDA torch: venv $VENV with --system-site-packages + make install"
-    if [[ ! -d "$VENV" ]]; then
-        "$SYS_PY" -m venv --system-site-packages "$VENV"
-        # when $SYS_PY is itself a venv, --system-site-packages shows its base Python, not its packages:
-        # a .pth file appends them to the new venv's path (packages installed in the new venv win)
-        sys_site=$("$SYS_PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-        venv_site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-        echo "$sys_site" >"$venv_site/zz_system_packages.pth"
+    if ((ONLINE)); then
+        say "using $VENV (its torch can use $DEVICE); running make install to bring it up to date"
+        timeout "$(budget 300 240)" make install VENV="$VENV" >>"$LOG" 2>&1 || say "make install failed (see $LOG); using $VENV as it is"
+    else
+        say "using $VENV as it is (its torch can use $DEVICE)"
     fi
-    if timeout "$(budget 300 240)" make install VENV="$VENV" >>"$LOG" 2>&1 && has_cuda "$VENV/bin/python"; then
-        PY="$VENV/bin/python"
-    elif can_run_tests "$SYS_PY"; then
-        say "make install failed (see $LOG; offline or another Python?): using $SYS_PY with PYTHONPATH=. and no install"
+elif has_cuda "$SYS_PY"; then
+    if ((ONLINE)); then
+        say "system $SYS_PY has a CUDA torch: venv $VENV with --system-site-packages + make install"
+        if make_system_venv && timeout "$(budget 300 240)" make install VENV="$VENV" >>"$LOG" 2>&1 && has_cuda "$VENV/bin/python"; then
+            PY="$VENV/bin/python"
+        fi
+    fi
+    if [[ -z "$PY" ]] && can_run_tests "$SYS_PY"; then
+        say "no install (offline, or it failed: see $LOG): using $SYS_PY with PYTHONPATH=. and no install"
         PY="$SYS_PY"
         export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-    else
-        die "make install failed and $SYS_PY lacks packages the tests need (see $LOG)"
+    elif [[ -z "$PY" ]]; then
+        die "no install, and $SYS_PY lacks packages the tests need (torch, transformers, safetensors, tokenizers, jinja2, numpy, pytest)"
     fi
 else
+    ((ONLINE)) || die "no CUDA torch here ($VENV, $SYS_PY) and no network to install one"
     say "no CUDA torch found: make install VENV=$VENV"
     timeout "$(budget 300 300)" make install VENV="$VENV" >>"$LOG" 2>&1 || die "make install failed (see $LOG)"
     if ! has_cuda "$VENV/bin/python" && [[ -n "${TORCH_CUDA_INDEX_URL:-}" ]]; then
@@ -116,7 +145,8 @@ else
 fi
 "$PY" -c 'import torch, transformers, sys
 gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
-print(f"python {sys.version.split()[0]}, torch {torch.__version__} (CUDA {torch.version.cuda}), transformers {transformers.__version__}, GPU {gpu}")' 2>&1 | tee -a "$LOG"
+print(f"python {sys.version.split()[0]}, torch {torch.__version__} (CUDA {torch.version.cuda}), transformers {transformers.__version__}, GPU {gpu}")' 2>&1 | tee -a "$LOG" \
+    || say "$PY cannot import torch and transformers (continuing: the steps below say what fails)"
 
 # ---- 2. the model ------------------------------------------------------------------------------
 if [[ ! -f "$MODEL_DIR/model.safetensors" || ! -f "$MODEL_DIR/config.json" ]]; then
@@ -124,7 +154,8 @@ if [[ ! -f "$MODEL_DIR/model.safetensors" || ! -f "$MODEL_DIR/config.json" ]]; t
         say "model converted into $MODEL_DIR"
     elif [[ -f "$MODEL_DIR/config.json" && -f "$MODEL_DIR/tokenizer.json" ]]; then
         say "no weights in $MODEL_DIR and no way to convert them: using RANDOM weights with its architecture and tokenizer"
-        "$PY" loadtest/random_model.py --like "$MODEL_DIR" --out build/random-model 2>&1 | tee -a "$LOG"
+        "$PY" loadtest/random_model.py --like "$MODEL_DIR" --out build/random-model 2>&1 | tee -a "$LOG" \
+            || die "could not write the random-weight model (see $LOG)"
         MODEL_DIR=build/random-model
     else
         die "no model in $MODEL_DIR and make model failed (see $LOG); copy a converted model directory there"
@@ -159,7 +190,8 @@ timeout "$(budget 15 60)" "$PY" loadtest/decode_sweep.py --device "$DEVICE" --mo
 say "sweep exit $sweep_rc"
 
 # ---- 6. summary --------------------------------------------------------------------------------
-"$PY" - "$OUT_DIR" "$tests_rc" "$tests_line" "$MODEL_DIR" "$SECONDS" <<'EOF' | tee "$OUT_DIR/gpu_check_summary.md"
+# (a failed summary must not end the script here, before the exit status below)
+if ! "$PY" - "$OUT_DIR" "$tests_rc" "$tests_line" "$MODEL_DIR" "$SECONDS" <<'EOF' | tee "$OUT_DIR/gpu_check_summary.md"
 import json, sys
 from pathlib import Path
 
@@ -204,6 +236,9 @@ for sub in (out, out / "eager"):
         ms = s["rows"][0]["step_ms"]
         print(f"\ntarget batch-1 decode step <= 1 ms with CUDA graphs: {ms:.3f} ms -> {'MET' if ms <= 1 else 'NOT MET'}")
 EOF
+then
+    say "the summary failed (see above); the reports themselves are in $OUT_DIR"
+fi
 
 if ((tests_rc != 0 || bench_rc != 0 || sweep_rc != 0)); then
     say "FAILED (tests exit $tests_rc, W1 exit $bench_rc, sweep exit $sweep_rc); logs in $OUT_DIR"

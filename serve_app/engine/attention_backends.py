@@ -4,16 +4,32 @@
   the interpreter (TRITON_INTERPRET=1; for tests only: slow); `flashinfer` is an error.
 - cuda: `auto` is FlashInfer when `flashinfer` imports and the dtype is 16-bit (FlashInfer has no
   fp32 kernels), else Triton, else the reference path; `torch` is the reference path (gathers
-  blocks; SDPA).
+  blocks; SDPA). A package that is installed but fails to import (e.g. a wheel copied over without
+  its dependencies) counts as absent for `auto`, with a warning; requested by name, it is an error.
 Returns "torch", "cpu_kernel", "triton" or "flashinfer".
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
+import logging
 import os
 
 import torch
+
+logger = logging.getLogger(__name__)
+
+
+def _importable(name: str) -> bool:
+    if importlib.util.find_spec(name) is None:
+        return False
+    try:
+        importlib.import_module(name)
+    except Exception as exc:  # whatever a broken install raises (ImportError, OSError for a missing .so, ...)
+        logger.warning("attention_backend auto: %s is installed but does not import (%r); not using it", name, exc)
+        return False
+    return True
 
 
 def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype) -> str:
@@ -32,7 +48,7 @@ def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype) ->
             raise ValueError("attention_backend: flashinfer has no float32 kernels (use bfloat16/float16, or triton)")
         return requested
     candidates = ("triton",) if dtype == torch.float32 else ("flashinfer", "triton")
-    return next((name for name in candidates if importlib.util.find_spec(name) is not None), "torch")
+    return next((name for name in candidates if _importable(name)), "torch")
 
 
 def make_varlen_attention(backend: str, args, block_size: int, dtype: torch.dtype, device: torch.device):

@@ -5,7 +5,9 @@ K and V as two tensors). Per step `plan` turns the step's block tables into Flas
 (`indptr`, `indices`, `last_page_len`) and plans one wrapper: the decode wrapper when every sequence
 has one query, else the prefill wrapper (causal, any mix of prompt chunks and decodes); every layer
 then calls `run` with that plan. The KV write is the Triton slot-mapping kernel.
-Constructing `FlashInferAttention` imports flashinfer (`flashinfer-python`, not a dependency).
+Constructing `FlashInferAttention` imports flashinfer (`flashinfer-python`, not a dependency). The
+calls are those of FlashInfer 0.2 to 0.6 (`plan` with `q_data_type`, `kv_data_type`, `sm_scale` by
+keyword; `run(q, (k_cache, v_cache))`).
 """
 
 from __future__ import annotations
@@ -37,7 +39,9 @@ class FlashInferAttention:
 
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.block_size, self.dtype, self.scale, self.device = block_size, dtype, scale, device
-        workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        # zeroed: FlashInfer's wrappers document "must be initialized to 0 for its first use" (its
+        # trtllm-gen kernels keep counters there and no longer clear them)
+        workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=num_heads != num_kv_heads)
         self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
         self.wrapper = None

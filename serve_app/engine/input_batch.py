@@ -4,8 +4,10 @@ The flattened batch is what every attention backend reads: the sequences in sche
 sequence s owning tokens `query_start_loc[s] : query_start_loc[s + 1]` at the last positions of its
 `seq_lens[s]` tokens. Per step the only Python-level loop is over the scheduled sequences (to copy
 their token ids and block tables into the buffers); positions and slots are computed for all tokens
-at once. On CUDA the host buffers are pinned and go to the device in one non-blocking copy each.
-Buffers grow (doubling) when a step needs more rows than they have, and are reused otherwise.
+at once. On CUDA the host buffers are pinned and go to the device in one non-blocking copy each;
+`build` does not write them again before those copies have run (an event marks them), since a step
+that samples nothing ends without a host sync. Buffers grow (doubling) when a step needs more rows
+than they have, and are reused otherwise.
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ class InputBatch:
         self.block_size = block_size
         self.device = device
         self._pin = device.type == "cuda"
+        # recorded after each step's copies out of the pinned buffers (CUDA only)
+        self._copied = torch.cuda.Event() if self._pin else None
         self._tokens = self._seqs = self._blocks = 0
         self._grow(256, 64, 16)
 
@@ -63,6 +67,12 @@ class InputBatch:
         self._d_bt = self._h_bt if on_host else torch.empty_like(self._h_bt, device=self.device)
 
     def build(self, scheduled: Sequence[ScheduledRequest]) -> StepInputs:
+        # The previous step's copies read the pinned buffers when the stream reaches them: a step that
+        # sampled something synced the host on its sampled ids (they are done), but one of prompt
+        # chunks only did not, and its copies may still wait behind an earlier forward pass. (query
+        # first: no host sync when they are done, as after every sampling step.)
+        if self._copied is not None and not self._copied.query():
+            self._copied.synchronize()
         num_seqs = len(scheduled)
         query_lens = np.fromiter((s.num_tokens for s in scheduled), dtype=np.int64, count=num_seqs)
         start_pos = np.fromiter((s.start_pos for s in scheduled), dtype=np.int64, count=num_seqs)
@@ -89,11 +99,10 @@ class InputBatch:
         seq_lens[:] = start_pos + query_lens
         d_tok, d_seq, d_bt = self._d_tok, self._d_seq, self._d_bt
         if d_tok is not self._h_tok:
-            # non-blocking from pinned memory: the previous step's copies are done, since every step
-            # ends with the host reading its sampled tokens
             d_tok[:, :num_tokens].copy_(self._h_tok[:, :num_tokens], non_blocking=True)
             d_seq[:, : num_seqs + 1].copy_(self._h_seq[:, : num_seqs + 1], non_blocking=True)
             d_bt[:num_seqs].copy_(self._h_bt[:num_seqs], non_blocking=True)
+            self._copied.record(torch.cuda.current_stream(self.device))  # the stream the copies went to
         return StepInputs(
             input_ids=d_tok[0, :num_tokens],
             positions=d_tok[1, :num_tokens],

@@ -40,6 +40,34 @@ def test_matches_per_token_reference():
         assert step.max_query_len == max(s.num_tokens for s in scheduled)
 
 
+class FakeCopyEvent:
+    """Stands in for the CUDA event that marks a step's copies out of the pinned buffers."""
+
+    def __init__(self, batch: InputBatch, done: bool) -> None:
+        self.batch, self.done, self.waited_on = batch, done, []
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:  # what the host buffers hold when build() waits
+        self.waited_on.append(self.batch._h_tok[0, :2].tolist())
+
+
+def test_does_not_rewrite_the_host_buffers_under_pending_copies():
+    """On CUDA a step's non-blocking copies read the pinned buffers only when the stream gets to
+    them, and a step that samples nothing (prompt chunks only) ends without a host sync: the next
+    build must wait for those copies before it writes the buffers, and only then."""
+    batch = InputBatch(4, torch.device("cpu"))
+    batch.build([sched([7, 8], 0, [3])])
+    pending = batch._copied = FakeCopyEvent(batch, done=False)
+    step = batch.build([sched([5, 6], 2, [3])])
+    assert pending.waited_on == [[7, 8]]  # waited, before overwriting the previous step's tokens
+    assert step.input_ids.tolist() == [5, 6]
+    done = batch._copied = FakeCopyEvent(batch, done=True)
+    batch.build([sched([1], 4, [3, 2])])
+    assert done.waited_on == []  # copies already done (every sampling step syncs): no host sync
+
+
 def test_gpu_memory_utilization_excludes_kv_cache_memory_gib():
     with pytest.raises(ValueError, match="gpu_memory_utilization, kv_cache_memory_gib"):
         CacheConfig(gpu_memory_utilization=0.9, kv_cache_memory_gib=2)
@@ -66,6 +94,28 @@ def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
         resolve_backend("flashinfer", torch.device("cpu"), torch.bfloat16)
     assert resolve_backend("auto", torch.device("cpu"), torch.bfloat16) == "cpu_kernel"
     assert resolve_backend("torch", torch.device("cuda"), torch.float32) == "torch"
+
+
+def test_auto_on_cuda_passes_over_a_flashinfer_that_does_not_import(tmp_path, monkeypatch):
+    """flashinfer installed but broken (e.g. its wheel copied over without its dependencies): `auto`
+    must fall back to Triton rather than fail building the engine; a working one is chosen."""
+    import sys
+
+    from serve_app.engine.attention_backends import resolve_backend
+
+    broken, working = tmp_path / "broken", tmp_path / "working"
+    for root, body in ((broken, "raise ImportError('No module named tvm_ffi')\n"), (working, "")):
+        (root / "flashinfer").mkdir(parents=True)
+        (root / "flashinfer" / "__init__.py").write_text(body)
+    cuda = torch.device("cuda")  # resolve_backend only looks at the device type
+    try:
+        monkeypatch.syspath_prepend(str(broken))
+        assert resolve_backend("auto", cuda, torch.bfloat16) == "triton"
+        monkeypatch.syspath_prepend(str(working))
+        assert resolve_backend("auto", cuda, torch.bfloat16) == "flashinfer"
+        assert resolve_backend("auto", cuda, torch.float32) == "triton"  # no fp32 kernels in FlashInfer
+    finally:
+        sys.modules.pop("flashinfer", None)
 
 
 def test_flashinfer_page_lists():

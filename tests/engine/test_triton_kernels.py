@@ -91,8 +91,10 @@ def test_store_kv_matches_index_copy(dtype):
 
 
 def test_engine_on_triton_kernels_matches_hf(tmp_path):
-    """The whole engine with attention_backend=triton (interpreted here) against HF greedy tokens:
-    prompts sharing a prefix (prefix-cache hits), chunked prefill (a 40-token budget), decodes."""
+    """The whole engine with attention_backend=triton against HF greedy tokens (HF on the CPU):
+    prompts sharing a prefix (prefix-cache hits), chunked prefill (a 40-token budget), decodes. The
+    engine runs on the kernels' device: interpreted on a CPU, on CUDA (with decode CUDA graphs) on a
+    GPU, where Triton on a CPU tensor is refused (no TRITON_INTERPRET there)."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from serve_app.engine import LLM, SamplingParams
@@ -104,7 +106,7 @@ def test_engine_on_triton_kernels_matches_hf(tmp_path):
     model.save_pretrained(tmp_path)
     shared = list(range(40, 80))
     prompts = [[5, 17, 200, 42, 7], shared + [1, 2, 3], list(range(100, 133)), shared + [9]]
-    llm = LLM(str(tmp_path), dtype="float32", attention_backend="triton", block_size=16, num_blocks=32, max_num_batched_tokens=40)
+    llm = LLM(str(tmp_path), dtype="float32", device=DEVICE, attention_backend="triton", block_size=16, num_blocks=32, max_num_batched_tokens=40)
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     with torch.no_grad():
         expected = [model.generate(torch.tensor([p]), max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)[0, len(p):].tolist()
