@@ -157,6 +157,7 @@ class NativeRunner(TorchRunner):
         info["kv_cache_bytes"] = runner.kv_cache_bytes
         info["kv_cache_blocks"] = getattr(runner, "num_blocks", None)
         info["attention_decode"] = "C++ kernel" if getattr(runner, "decode_kernel", None) else "torch"
+        info["projections"] = runner.linear_impl  # "kernels" (C++ bf16), "onednn" or "dense"
         if self.device.startswith("cuda"):  # what ran there: triton / flashinfer / torch, graphs or not
             info["attention_decode"] = runner.backend + (" + CUDA graphs" if runner.decode_graphs is not None else "")
         return info

