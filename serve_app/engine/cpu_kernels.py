@@ -17,8 +17,9 @@
   with torch.argmax's answer (first maximum; first NaN).
 - `linear_bf16`, `linear_silu_mul_bf16`, `linear_logits_bf16` (csrc/linear_bf16.cpp): the bf16
   projections over weights in their own packed layout (AVX512-BF16), SiLU·mul fused into the gate/up
-  matmul and fp32 logits out of the lm_head, bit-identical to the torch ops; `linear_kernels()`
-  bundles them where they beat oneDNN.
+  matmul and fp32 logits out of the lm_head; within one bf16 ulp of F.linear (another summation
+  order), the epilogues rounding as torch's ops do; `linear_kernels()` bundles them where they beat
+  oneDNN.
 
 `op(name)` returns one of them by name, or None (with a warning, once) when the
 extension cannot be built; callers then use the torch path. `python -m serve_app.engine.cpu_kernels`

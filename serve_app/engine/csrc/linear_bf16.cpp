@@ -1,6 +1,6 @@
-// bf16 projections on CPU with AVX512-BF16: y = x @ w^T (+ bias), fp32 accumulation, rounded to
-// bf16 as torch rounds (bit-identical to oneDNN's and F.linear's result on these machines: the same
-// dot-product instruction, k in the same order).
+// bf16 projections on CPU with AVX512-BF16: y = x @ w^T (+ bias), fp32 accumulation over k in order,
+// rounded to bf16 as torch rounds. oneDNN (F.linear) sums in another order: about one output in 10^4
+// rounds the other way, by one bf16 ulp.
 //
 //   pack_linear_bf16(w [N, K], interleave) -> packed [N / 16, K / 2, 16, 2]: for each block of 16
 //     output columns, for each pair of k, the 16 columns' (w[n][2k], w[n][2k + 1]) side by side, so
