@@ -10,7 +10,8 @@ of them; they are scheduling tokens, not cores), 127.0.0.1 only:
 - greedy fp32 completions through the HTTP API equal HF transformers' on real chat prompts, token
   count and text (measured equal on all eight, although the ranks' all-reduce adds partial sums in
   another order than one engine's matmul), and chat says what the one-rank engine says;
-- deleting the app removes the placement group, ends the rank processes and frees Ray's CPUs (last test).
+- deleting the app removes the placement group, ends the rank processes, frees Ray's CPUs and leaves
+  no shared memory behind (last test).
 """
 
 from __future__ import annotations
@@ -50,14 +51,25 @@ def config_args(model_dir: str) -> dict:
     return {**args, "model": model_dir, "api_key_env": "", "health_check_period_s": 2.0}
 
 
+def unmapped_shm() -> set[str]:
+    """Shared-memory segments in /dev/shm that no live process maps (left behind, if new)."""
+    mapped = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        with contextlib.suppress(OSError):
+            mapped |= {line.split("/dev/shm/", 1)[1].split()[0] for line in maps.read_text().splitlines() if "/dev/shm/" in line}
+    return set(os.listdir("/dev/shm")) - mapped
+
+
 @pytest.fixture(scope="module")
 def served(model_dir):
-    """(ServedApp, ranks): Ray with RAY_CPUS logical CPUs + Serve + the app on a free loopback port."""
+    """(ServedApp, ranks, /dev/shm's unmapped segments before): Ray with RAY_CPUS logical CPUs +
+    Serve + the app on a free loopback port."""
     from ray import serve
 
     from serve_app.serving.app import build_app
 
     args = config_args(model_dir)
+    shm_before = unmapped_shm()
     started = time.monotonic()
     with local_stack.ray_instance(num_cpus=RAY_CPUS, namespace="vllm-tp"):
         port = local_stack.free_port()
@@ -65,7 +77,7 @@ def served(model_dir):
         serve.run(build_app(args), name=APP_NAME, route_prefix="/")
         print(f"\n[vllm tp] Ray + Serve + a {args['engine']['tensor_parallel_size']}-rank vLLM replica ready "
               f"in {time.monotonic() - started:.1f} s")
-        yield ServedApp(f"http://127.0.0.1:{port}", args), args["engine"]["tensor_parallel_size"]
+        yield ServedApp(f"http://127.0.0.1:{port}", args), args["engine"]["tensor_parallel_size"], shm_before
 
 
 def replica_actor():
@@ -113,7 +125,7 @@ def placement(served):
 def test_replica_placement_group_has_a_bundle_per_rank(served, placement):
     import ray
 
-    _, ranks = served
+    _, ranks, _ = served
     pg_id, actor, _ = placement
     assert pg_id, actor  # the replica actor runs inside a placement group
     table = ray.util.placement_group_table()[pg_id]
@@ -123,7 +135,7 @@ def test_replica_placement_group_has_a_bundle_per_rank(served, placement):
 
 
 def test_ranks_are_processes_of_the_replica_each_on_its_cores(served, placement):
-    _, ranks = served
+    _, ranks, _ = served
     _, _, procs = placement
     assert [title(p) for p in procs] == [f"VLLM::Worker_TP{r}" for r in range(ranks)]
     # what the backend computed in the replica: the machine's cores split among the ranks
@@ -135,7 +147,7 @@ def test_greedy_fp32_through_http_equals_hf(served, model_dir):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    app, _ = served
+    app, _, _ = served
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompts = [list(tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
                                                   return_dict=True)["input_ids"]) for p in CHAT_PROMPTS]
@@ -169,7 +181,7 @@ def test_deleting_the_app_frees_the_placement_group_and_the_ranks(served, placem
     import ray
     from ray import serve
 
-    _, ranks = served
+    _, ranks, shm_before = served
     pg_id, _, procs = placement
     assert len(procs) == ranks and all(p.is_running() for p in procs)
     serve.delete(APP_NAME)
@@ -178,3 +190,6 @@ def test_deleting_the_app_frees_the_placement_group_and_the_ranks(served, placem
     _, alive = psutil.wait_procs(procs, timeout=60)
     assert not alive, alive
     wait_for(lambda: ray.available_resources().get("CPU") == RAY_CPUS, 30, message="all of Ray's CPUs free")
+    # the engine core's message queue and the ranks' all-reduce buffers: unlinked, not left in memory
+    # (another process on the machine leaving a segment right now would fail this too)
+    wait_for(lambda: not (unmapped_shm() - shm_before), 30, message="no shared memory left behind")
