@@ -46,6 +46,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 ABORT_WAIT_S = 5.0  # abort() waits at most this long for the engine core's next stats message
+# shutdown() gives the engine core this long to exit before vLLM kills it (vLLM's default: 5 s). Its
+# rank workers may need vLLM's full worker grace (5 s, then SIGTERM and 4 s more: three CPU ranks on
+# two cores do); killed before that, the engine core never unlinks its 160 MiB shared-memory message
+# queue, and in a Ray replica nothing did afterwards (its resource tracker is gone with the replica)
+SHUTDOWN_TIMEOUT_S = 15.0
 # vLLM reports usage statistics over the network by default; a replica must not
 NO_USAGE_STATS = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
 
@@ -246,4 +251,4 @@ class VLLMBackend(Backend):
     def shutdown(self) -> None:
         engine, self._engine, self._closed = self._engine, None, True
         if engine is not None:
-            engine.shutdown()
+            engine.shutdown(timeout=SHUTDOWN_TIMEOUT_S)

@@ -13,10 +13,26 @@ Sizing the KV cache: `kv_cache_memory_gib` (CPU and GPU; vLLM's `kv_cache_memory
 On CPU `cpu_reserved_cores` is `VLLM_CPU_NUM_OF_RESERVED_CPU` (0: the engine's OpenMP threads use
 every core; vLLM's default reserves one).
 
-Larger models: `tensor_parallel_size` x `pipeline_parallel_size` ranks serve one replica's model
-(vLLM's Ray executor, one GPU per rank on CUDA). The ranks' devices come from the replica's
-placement group (`serving.placement`), as Ray Serve LLM does it: Ray reserves them together with
-the replica, and vLLM's executor finds that placement group and starts its workers in it.
+Larger models: `tensor_parallel_size` x `pipeline_parallel_size` ranks serve one replica's model.
+The ranks' devices come from the replica's placement group (`serving.placement`), as Ray Serve LLM
+does it: Ray reserves them together with the replica. Which vLLM executor starts the ranks
+(`distributed_executor_backend`) depends on the device:
+- cuda: vLLM's Ray executor; it finds the replica's placement group and starts one rank actor in
+  each {"GPU": 1} bundle.
+- cpu: vLLM's multiprocessing executor (`mp`): the ranks are processes the replica's engine core
+  starts on the replica's node, and their {"CPU": 1} bundles reserve their cores in Ray's accounting.
+  vLLM 0.32 has no Ray executor on CPU (its CPU platform names no Ray device: "current platform cpu
+  does not support ray", vllm/v1/executor/ray_utils.py), and vLLM would pick Ray by default inside
+  a placement group, so the backend names `mp` itself. Each rank's OpenMP threads are pinned to its
+  own cores: `cpu_threads_bind` is vLLM's `VLLM_CPU_OMP_THREADS_BIND` ("0-3|4-7": rank 0 on cores
+  0-3, rank 1 on 4-7; "auto": vLLM's choice, one NUMA node per rank, so only on a machine with that
+  many nodes; "nobind"); left empty, the replica's allowed cores (less `cpu_reserved_cores`) are
+  split into one contiguous group per rank, or, with fewer cores than ranks, shared round-robin
+  ("0|1|0": three ranks on two cores). `kv_cache_memory_gib` is per rank (each holds its share
+  of the layers or heads). vLLM 0.32's CPU runner needs `enforce_eager: false` for pipeline
+  parallelism: in eager mode it never allocates the buffer a later pipeline stage receives its
+  input into (an AssertionError at the first request, vllm/v1/worker/gpu_model_runner.py), so that
+  combination is refused here.
 
 `speculative` is the native engine's option (`config.SpeculativeConfig`), mapped onto vLLM's
 `speculative_config`: `ngram` → vLLM's n-gram proposer with `num_speculative_tokens` = `k`, or `max_k`
@@ -28,6 +44,9 @@ draft's KV cache itself). vLLM has no per-request opt-out: `SamplingParams.specu
 
 from __future__ import annotations
 
+import os
+import re
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -37,9 +56,30 @@ DTYPES = ("float32", "bfloat16", "float16")
 GIB = 1 << 30
 
 
+# one rank's cores in VLLM_CPU_OMP_THREADS_BIND: "5", "0-3", "0-3,8"
+_CORE_LIST = re.compile(r"^\d+(-\d+)?(,\d+(-\d+)?)*$")
+
+
 def _require(cond: bool, name: str, msg: str) -> None:
     if not cond:
         raise ValueError(f"{name}: {msg}")
+
+
+def split_cores(cpus: Sequence[int], ranks: int) -> str:
+    """`VLLM_CPU_OMP_THREADS_BIND` for `ranks` engine ranks on `cpus`: contiguous groups of
+    near-equal size in core order, the first ranks one core larger ("0,1,2|3,4"); with fewer cores
+    than ranks, one core each, round-robin ("0|1|0"), so ranks share cores rather than fail."""
+    cores = sorted(cpus)
+    _require(bool(cores) and ranks >= 1, "cpu_threads_bind", f"no cores to bind {ranks} rank(s) to")
+    if len(cores) < ranks:
+        return "|".join(str(cores[r % len(cores)]) for r in range(ranks))
+    size, extra = divmod(len(cores), ranks)
+    groups, start = [], 0
+    for r in range(ranks):
+        end = start + size + (r < extra)
+        groups.append(",".join(map(str, cores[start:end])))
+        start = end
+    return "|".join(groups)
 
 
 @dataclass(frozen=True)
@@ -59,6 +99,7 @@ class VLLMOptions:
     gpu_memory_utilization: float = 0.0
     enforce_eager: bool = False  # True: no torch.compile / CUDA graphs (start ≈ 35 s instead of ≈ 120 s on CPU)
     cpu_reserved_cores: int = 0
+    cpu_threads_bind: str = ""  # CPU, several ranks: VLLM_CPU_OMP_THREADS_BIND ("": split the replica's cores)
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     engine_args: tuple[tuple[str, Any], ...] = ()  # other vllm.AsyncEngineArgs fields, passed through
@@ -78,6 +119,15 @@ class VLLMOptions:
         _require(self.kv_cache_memory_gib > 0, "kv_cache_memory_gib", "must be > 0")
         _require(0 <= self.gpu_memory_utilization < 1, "gpu_memory_utilization", "must be in [0, 1) (0: use kv_cache_memory_gib)")
         _require(self.gpu_memory_utilization == 0 or self.device != "cpu", "gpu_memory_utilization", "applies to GPUs only")
+        bind = self.cpu_threads_bind
+        _require(bind in ("", "auto", "nobind") or (len(bind.split("|")) == self.world_size and
+                                                   all(_CORE_LIST.match(g) for g in bind.split("|"))),
+                 "cpu_threads_bind", f"'', 'auto', 'nobind' or {self.world_size} core list(s) separated by '|' "
+                                     f"(one per rank, e.g. '0-3|4-7'), got {bind!r}")
+        _require(bind == "" or self.device == "cpu", "cpu_threads_bind", "applies to CPUs only")
+        _require(not (self.device == "cpu" and self.pipeline_parallel_size > 1 and self.enforce_eager),
+                 "pipeline_parallel_size", "on CPU, vLLM's eager runner cannot run pipeline stages after the first: "
+                                           "set enforce_eager: false (or use tensor_parallel_size)")
         _require(self.speculative.method != "draft" or self.speculative.acceptance == "rejection", "speculative.acceptance",
                  "vLLM verifies a draft model's proposals by rejection sampling only: set acceptance: rejection")
         mine = {f.name for f in fields(self)}
@@ -98,6 +148,12 @@ class VLLMOptions:
     def world_size(self) -> int:
         """Engine ranks (devices) one replica uses."""
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def executor_backend(self) -> str:
+        """vLLM's `distributed_executor_backend` for several ranks: "ray" on GPUs (rank actors in the
+        replica's placement group), "mp" on CPU (vLLM has no Ray executor there)."""
+        return "mp" if self.device == "cpu" else "ray"
 
     @property
     def effective_block_size(self) -> int:
@@ -122,9 +178,9 @@ class VLLMOptions:
         }
         if self.max_model_len:
             args["max_model_len"] = self.max_model_len
-        if self.world_size > 1:  # ranks as Ray actors in the replica's placement group
+        if self.world_size > 1:  # GPU: ranks as Ray actors in the replica's placement group; CPU: processes
             args.update(tensor_parallel_size=self.tensor_parallel_size, pipeline_parallel_size=self.pipeline_parallel_size,
-                        distributed_executor_backend="ray")
+                        distributed_executor_backend=self.executor_backend)
         if self.block_size:
             args["block_size"] = self.block_size
         if self.gpu_memory_utilization:
@@ -141,8 +197,17 @@ class VLLMOptions:
         args.update(dict(self.engine_args))
         return args
 
-    def environment(self) -> dict[str, str]:
-        """Environment variables the engine (and its engine-core process) must start with."""
+    def environment(self, cpus: Sequence[int] | None = None) -> dict[str, str]:
+        """Environment variables the engine (and its engine-core process) must start with. `cpus`:
+        the cores the replica may use (default: this process's affinity), split among the ranks
+        when there are several and `cpu_threads_bind` is empty."""
         if self.device != "cpu":
             return {}
-        return {"VLLM_CPU_NUM_OF_RESERVED_CPU": str(self.cpu_reserved_cores)}
+        env = {"VLLM_CPU_NUM_OF_RESERVED_CPU": str(self.cpu_reserved_cores)}
+        if self.cpu_threads_bind:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = self.cpu_threads_bind
+        elif self.world_size > 1:  # vLLM's "auto" wants one NUMA node per rank: most machines have one
+            cores = sorted(os.sched_getaffinity(0) if cpus is None else cpus)
+            usable = cores[: len(cores) - self.cpu_reserved_cores] or cores  # as vLLM: too many reserved, none
+            env["VLLM_CPU_OMP_THREADS_BIND"] = split_cores(usable, self.world_size)
+        return env

@@ -6,8 +6,10 @@ One device per replica (the default): the replica actor asks for `num_cpus_per_r
 `pipeline_parallel_size` > 1 ranks (as Ray Serve LLM places it): the replica gets a placement group
 of one bundle for itself (its CPUs, no GPU) plus one bundle per rank ({"GPU": 1} on CUDA,
 {"CPU": 1} on CPU), packed onto one node (STRICT_PACK: tensor parallelism needs the ranks' fast
-interconnect); Ray reserves the whole group before the replica starts, and vLLM's Ray executor
-starts its rank workers in it.
+interconnect); Ray reserves the whole group before the replica starts. On GPUs vLLM's Ray executor
+starts its rank actors in the GPU bundles. On CPU vLLM has no Ray executor: the ranks are processes
+of the replica's engine (vLLM's `mp` executor, `backends/vllm_options.py`) on the group's one node,
+and their bundles count one of Ray's CPUs per rank on that node (a rank keeps its own cores busy).
 """
 
 from __future__ import annotations

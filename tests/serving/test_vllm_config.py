@@ -108,17 +108,46 @@ def test_tensor_parallel_placement_group():
         vllm_config(tensor_parallel_size=0)
 
 
-def test_tp_yaml_builds_an_app_with_the_placement_group():
-    """configs/vllm-gpu-tp.yaml through the real app builder (no Ray cluster needed to build)."""
+def test_cpu_ranks_run_on_the_mp_executor_each_pinned_to_its_cores():
+    """On CPU several ranks are vLLM `mp` processes (vLLM has no Ray executor there), each rank's
+    OpenMP threads bound to its own share of the replica's cores; GPUs keep the Ray executor."""
+    from serve_app.backends.vllm_options import split_cores
+
+    tp = VLLMOptions(tensor_parallel_size=3)
+    assert tp.async_engine_args("/m", "m")["distributed_executor_backend"] == "mp"
+    assert VLLMOptions(device="cuda", tensor_parallel_size=2).async_engine_args("/m", "m")["distributed_executor_backend"] == "ray"
+    assert tp.environment(cpus=[1, 0]) == {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_OMP_THREADS_BIND": "0|1|0"}
+    pp = VLLMOptions(pipeline_parallel_size=2, enforce_eager=False, cpu_reserved_cores=1)
+    assert pp.environment(cpus=range(6))["VLLM_CPU_OMP_THREADS_BIND"] == "0,1,2|3,4"  # core 5 kept free
+    assert pp.environment(cpus=[0, 1])["VLLM_CPU_OMP_THREADS_BIND"] == "0|0"  # core 1 kept free: the ranks share 0
+    assert pp.environment(cpus=[3])["VLLM_CPU_OMP_THREADS_BIND"] == "3|3"  # one core: nothing left to reserve
+    assert VLLMOptions(tensor_parallel_size=2, cpu_threads_bind="0-3|4-7").environment(cpus=[0])["VLLM_CPU_OMP_THREADS_BIND"] == "0-3|4-7"
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in VLLMOptions().environment(cpus=[0, 1])  # one rank: vLLM's own binding
+    assert (split_cores([0, 1, 2, 3, 4], 2), split_cores([7], 2), split_cores([4, 5, 6, 7], 4)) == ("0,1,2|3,4", "7|7", "4|5|6|7")
+    for bad, field in [({"tensor_parallel_size": 2, "cpu_threads_bind": "0-3"}, "cpu_threads_bind"),  # one list, two ranks
+                       ({"cpu_threads_bind": "cores 0 to 3"}, "cpu_threads_bind"),
+                       ({"device": "cuda", "cpu_threads_bind": "auto"}, "cpu_threads_bind"),
+                       ({"pipeline_parallel_size": 2, "enforce_eager": True}, "pipeline_parallel_size")]:
+        with pytest.raises(ValueError, match=rf"^{field}:"):
+            vllm_config(**bad)
+    VLLMOptions(device="cuda", pipeline_parallel_size=2, enforce_eager=True)  # GPUs run eager pipeline stages
+
+
+@pytest.mark.parametrize(("name", "bundles"), [
+    ("vllm-gpu-tp.yaml", [{"CPU": 2}, {"GPU": 1}, {"GPU": 1}]),
+    ("vllm-local-tp.yaml", [{"CPU": 0.5}, {"CPU": 1}, {"CPU": 1}, {"CPU": 1}]),  # 3 CPU ranks (9 heads)
+])
+def test_tp_yaml_builds_an_app_with_the_placement_group(name, bundles):
+    """The multi-rank configs through the real app builder (no Ray cluster needed to build)."""
     import yaml
 
     from serve_app.serving.app import build_app
 
-    spec = yaml.safe_load((REPO / "configs" / "vllm-gpu-tp.yaml").read_text())["applications"][0]
+    spec = yaml.safe_load((REPO / "configs" / name).read_text())["applications"][0]
     app = build_app(spec["args"])
     server = app._bound_deployment.init_args[0]  # the ingress is bound to the LLMServer application
     deployment = server._bound_deployment
-    assert deployment._replica_config.placement_group_bundles == [{"CPU": 2}, {"GPU": 1}, {"GPU": 1}]
+    assert deployment._replica_config.placement_group_bundles == bundles
     assert deployment._replica_config.placement_group_strategy == "STRICT_PACK"
     assert "num_gpus" not in deployment._replica_config.ray_actor_options
 
