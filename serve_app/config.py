@@ -18,7 +18,8 @@ if TYPE_CHECKING:
 BatchingPolicy = Literal["continuous", "dynamic", "static"]
 BATCHING_POLICIES = ("continuous", "dynamic", "static")
 DTYPES = ("float32", "bfloat16", "float16")
-ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")
+ATTENTION_BACKENDS = ("auto", "torch", "cpu_decode", "triton", "flashinfer")
+LINEAR_BACKENDS = ("auto", "kernels", "onednn", "dense")
 DEFAULT_KV_CACHE_MEMORY_GIB = 1.0
 
 
@@ -40,10 +41,19 @@ class ModelConfig:
     max_model_len: int = 0
     seed: int = 0
     served_model_name: str = ""
-    # auto: on CPU the C++ decode kernel (when it builds); on CUDA FlashInfer when importable (16-bit dtypes), else Triton.
-    # torch: the reference path (gathers blocks, SDPA); triton / flashinfer: those kernels (CUDA; triton
-    # also runs on CPU under TRITON_INTERPRET=1, for tests)
+    # auto: on CPU the C++ decode kernel and, in bf16 with AVX512-BF16, the prompt-chunk kernel; on CUDA
+    # FlashInfer when importable (16-bit dtypes), else Triton. cpu_decode: the C++ decode kernel for every
+    # row, prompt tokens included. torch: the reference path (gathers blocks, SDPA); triton / flashinfer:
+    # those kernels (CUDA; triton also runs on CPU under TRITON_INTERPRET=1, for tests)
     attention_backend: str = "auto"
+    # CPU bf16 projections (docs/batch-invariance.md): auto picks by the CPU's features (kernels without
+    # AMX, onednn with AMX, dense without AVX512 bf16 support); kernels: the C++ AVX512-BF16 kernels;
+    # onednn: oneDNN's packed matmul (AMX where the CPU has it); dense: torch's F.linear
+    linear_backend: str = "auto"
+    # a request's tokens and logprobs do not depend on the rest of its batch, on prefix-cache hits, on chunk
+    # sizes, preemption or speculation (bf16 on CPU; fp32 and CUDA paths are close, not bit-identical)
+    batch_invariant: bool = True
+    amx: bool = True  # False: oneDNN never uses AMX tiles (ONEDNN_MAX_CPU_ISA, set before oneDNN's first use)
     enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps
     cuda_graph_max_batch_size: int = 256  # CUDA: decode steps up to this many sequences replay a captured graph
 
@@ -53,6 +63,7 @@ class ModelConfig:
         _require(self.device == "cpu" or self.device.startswith("cuda"), "device", f"cpu or cuda[:N], got {self.device!r}")
         _require(self.max_model_len >= 0, "max_model_len", "must be >= 0")
         _require(self.attention_backend in ATTENTION_BACKENDS, "attention_backend", f"must be one of {ATTENTION_BACKENDS}")
+        _require(self.linear_backend in LINEAR_BACKENDS, "linear_backend", f"must be one of {LINEAR_BACKENDS}")
         _require(self.cuda_graph_max_batch_size >= 1, "cuda_graph_max_batch_size", "must be >= 1")
 
     @property

@@ -1,12 +1,13 @@
 """Which attention implementation a model runner uses, from `ModelConfig.attention_backend`.
 
-- cpu: `auto` is the C++ decode kernel (+ torch prefill); `triton` runs the Triton kernels under
+- cpu: `auto` is the C++ decode kernel plus, where it runs, the prompt-chunk kernel (`cpu_kernel`);
+  `cpu_decode` is the decode kernel for every row, prompt tokens included; `triton` runs the Triton kernels under
   the interpreter (TRITON_INTERPRET=1; for tests only: slow); `flashinfer` is an error.
 - cuda: `auto` is FlashInfer when `flashinfer` imports and the dtype is 16-bit (FlashInfer has no
   fp32 kernels), else Triton, else the reference path; `torch` is the reference path (gathers
   blocks; SDPA). A package that is installed but fails to import (e.g. a wheel copied over without
   its dependencies) counts as absent for `auto`, with a warning; requested by name, it is an error.
-Returns "torch", "cpu_kernel", "triton" or "flashinfer".
+Returns "torch", "cpu_kernel", "cpu_decode", "triton" or "flashinfer".
 """
 
 from __future__ import annotations
@@ -40,7 +41,9 @@ def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype) ->
             raise ValueError("attention_backend: flashinfer needs a CUDA device")
         if requested == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("attention_backend: triton on a CPU needs TRITON_INTERPRET=1 (Triton's interpreter; tests only)")
-        return "triton" if requested == "triton" else "cpu_kernel"
+        return {"triton": "triton", "cpu_decode": "cpu_decode"}.get(requested, "cpu_kernel")
+    if requested == "cpu_decode":
+        raise ValueError("attention_backend: cpu_decode needs a CPU device")
     if requested in ("triton", "flashinfer"):
         if importlib.util.find_spec(requested) is None:
             raise ValueError(f"attention_backend: {requested} is not installed")

@@ -41,12 +41,15 @@ def cdiv(a: int, b: int) -> int:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 events: KVEventLog | None = None) -> None:
+                 events: KVEventLog | None = None, cache_generated_blocks: bool = True) -> None:
         if num_blocks < 1:
             raise ValueError("num_blocks: must be >= 1")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        # False: only blocks of prompt tokens enter the prefix cache (the model runner's K/V for generated
+        # tokens comes from another kernel than a prompt's: `ModelRunner.shares_output_blocks`)
+        self.cache_generated_blocks = cache_generated_blocks
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         # free blocks in eviction order: front = first to be reused
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
@@ -118,7 +121,9 @@ class BlockManager:
         table = self._tables.get(rid)
         if table is None:
             return
-        num_full = min(request.num_computed_tokens // self.block_size, len(table))
+        computed = request.num_computed_tokens if self.cache_generated_blocks else min(request.num_computed_tokens,
+                                                                                        request.num_prompt_tokens)
+        num_full = min(computed // self.block_size, len(table))
         start = self._num_hashed.get(rid, 0)
         if num_full <= start:
             return

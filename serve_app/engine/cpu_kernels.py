@@ -77,23 +77,20 @@ def op(name: str) -> Any | None:
 
 @dataclass(frozen=True)
 class LinearKernels:
-    """The C++ bf16 projection kernels (csrc/linear_bf16.cpp), as `LlamaForCausalLM.pack_linear_weights` uses them."""
+    """The C++ bf16 projection kernels (csrc/linear_bf16.cpp), as `LlamaForCausalLM.configure_projections` uses them."""
 
     pack: Callable  # (w [N, K], interleave=False) -> packed
     linear: Callable  # (x [M, K], packed, bias=None) -> [M, N] bf16
     silu_mul: Callable  # (x, packed gate/up, interleaved) -> silu(gate) * up [M, N / 2] bf16
-    logits: Callable  # (x, packed lm_head) -> [M, N] fp32 (the bf16 result, widened)
+    logits: Callable  # (x, packed lm_head) -> [M, N] fp32 accumulators (never rounded to bf16)
 
 
 def linear_kernels(out_features: list[int], in_features: list[int]) -> LinearKernels | None:
-    """The kernels where they are the faster choice: built with AVX512-BF16, on a CPU without AMX
-    (oneDNN's AMX kernels are several times faster at prefill shapes there), and every projection's
-    shape fits their layout (N a multiple of 32, K even). None otherwise: callers keep oneDNN."""
-    import torch
-
-    amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
+    """The kernels where they run: built with AVX512-BF16, and every projection's shape fits their
+    layout (N a multiple of 32, K even). None otherwise. (On a CPU with AMX they still compute the
+    lm_head's fp32 logits; oneDNN's AMX kernels run the other projections several times faster.)"""
     supported = op("linear_bf16_supported")
-    if amx or supported is None or not supported():
+    if supported is None or not supported():
         return None
     if any(n % 32 for n in out_features) or any(k % 2 for k in in_features):
         return None

@@ -39,7 +39,8 @@ class EngineCore:
             limits.append(config.scheduler.max_num_batched_tokens)
         self.max_model_len = min(limits)
         self.kv_events = KVEventLog()  # what the prefix cache holds, for routers
-        self.block_manager = BlockManager(num_blocks, block_size, config.cache.enable_prefix_caching, self.kv_events)
+        self.block_manager = BlockManager(num_blocks, block_size, config.cache.enable_prefix_caching, self.kv_events,
+                                          cache_generated_blocks=self.model_runner.shares_output_blocks)
         # the engine's measured step cost (what k more tokens in a step cost: adaptive speculation)
         self.step_cost = StepCostFit()
         speculator = None

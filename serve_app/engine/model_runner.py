@@ -21,6 +21,7 @@ from serve_app.config import CacheConfig, ModelConfig, SchedulerConfig
 from serve_app.engine import cpu_kernels
 from serve_app.engine.attention import AttentionMetadata, KernelChunks, PrefillChunk
 from serve_app.engine.attention_backends import make_varlen_attention, resolve_backend
+from serve_app.engine.execution_paths import ExecutionPaths, limit_onednn_isa, resolve_linear
 from serve_app.engine.host_memory import zeroed_cpu_tensors
 from serve_app.engine.input_batch import InputBatch
 from serve_app.engine.logprobs import sampled_logprobs
@@ -30,6 +31,7 @@ from serve_app.engine.models.loader import load_model
 from serve_app.engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from serve_app.engine.penalties import process_logits
 from serve_app.engine.sampler import sample, sampling_probs
+from serve_app.engine.self_check import run_check, verdict
 from serve_app.engine.spec_decode.acceptance import accept
 from serve_app.engine.spec_decode.rejection import rejection_sample
 
@@ -53,18 +55,23 @@ KERNEL_MAX_FRESH_CHUNK = 1024
 
 
 def is_decode(s: ScheduledRequest) -> bool:
-    """A request reading one new token, or verifying proposed tokens after it (one decode row each)."""
-    return s.num_tokens == 1 or bool(s.spec_token_ids)
+    """Rows at output positions: a decode, a verification with proposed tokens, a recomputed run of
+    generated tokens (one decode row each). A chunk of prompt tokens is never one, even of a single
+    token: each position's K/V always comes from the same kernel, whatever the chunking."""
+    return not s.reads_prompt or bool(s.spec_token_ids)
 
 
-def kernel_rank(s: ScheduledRequest, kernel: bool = True, chunk_kernel: bool = False) -> int:
+def kernel_rank(s: ScheduledRequest, kernel: bool = True, chunk_kernel: bool = False, invariant: bool = False) -> int:
     """A step's requests in row order: decodes (0), then the prompt chunks a kernel attends (1, only
-    with a decode `kernel`: all of them with the prompt-chunk kernel, else those within
-    KERNEL_MAX_FRESH_CHUNK or continuing a request), then those torch's SDPA does (2); each group a
-    contiguous run of rows. Ranks 0 and 1 are the rows `prepare` hands to the block-table path."""
+    with a decode `kernel`: all of them with the prompt-chunk kernel or when batch `invariant`, else
+    those within KERNEL_MAX_FRESH_CHUNK or continuing a request), then those torch's SDPA does (2);
+    each group a contiguous run of rows. Ranks 0 and 1 are the rows `prepare` hands to the
+    block-table path."""
     if is_decode(s):
         return 0
-    return 1 if kernel and (chunk_kernel or s.start_pos > 0 or s.num_tokens <= KERNEL_MAX_FRESH_CHUNK) else 2
+    if not kernel:
+        return 2
+    return 1 if chunk_kernel or invariant or s.start_pos > 0 or s.num_tokens <= KERNEL_MAX_FRESH_CHUNK else 2
 
 
 class ModelRunner:
@@ -75,19 +82,14 @@ class ModelRunner:
         self.dtype = DTYPES[model_config.dtype]
         self.block_size = cache_config.block_size
         t0 = time.monotonic()
+        self.hf_config = hf_config
+        self.model_path = model_config.model
         self.model = load_model(model_config.model, hf_config, self.dtype, model_config.device)
         self.args = self.model.args
         self.backend = resolve_backend(model_config.attention_backend, self.device, self.dtype)
-        use_cpu_ops = self.backend == "cpu_kernel"
-        a = self.args
-        kernels = cpu_kernels.linear_kernels(
-            [(a.num_heads + 2 * a.num_kv_heads) * a.head_dim, a.hidden_size, 2 * a.intermediate_size, a.vocab_size],
-            [a.hidden_size, a.num_heads * a.head_dim, a.intermediate_size]) if use_cpu_ops and self.dtype == torch.bfloat16 else None
-        self.linear_impl = self.model.pack_linear_weights(kernels)  # "kernels" (C++), "onednn" or "dense"
-        if use_cpu_ops and self.dtype == torch.bfloat16:
-            self.model.use_rms_norm_op(cpu_kernels.op("rms_norm_bf16"))
-            self.model.use_add_rms_norm_op(cpu_kernels.op("add_rms_norm_bf16"))
-            self.model.use_rope_write_kv_op(cpu_kernels.op("rope_write_kv_bf16"))
+        self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
+        # the lm_head sees the sampled rows only: every sequence's last token and its proposed tokens
+        self.max_logit_rows = scheduler_config.max_num_seqs * 4
         per_block = kv_cache_bytes_per_block(self.args, self.block_size, self.dtype)
         if cache_config.gpu_memory_utilization:
             if self.device.type != "cuda":
@@ -109,17 +111,20 @@ class ModelRunner:
                 for _ in range(self.args.num_layers)
             ]
         self.kv_cache_bytes = per_block * self.num_blocks
-        self.decode_kernel = cpu_kernels.op("paged_decode") if use_cpu_ops else None
-        # prompt chunks (kernel_rank 1) get their own kernel where it runs: bf16, AVX512-BF16, head_dim 64 or 128
-        supported = cpu_kernels.op("paged_prefill_supported") if self.decode_kernel is not None else None
-        self.prefill_kernel = (cpu_kernels.op("paged_prefill") if supported is not None and self.dtype == torch.bfloat16
-                               and supported(self.args.head_dim) else None)
-        self.argmax = cpu_kernels.op("argmax_rows") if use_cpu_ops else None
         self.generator = torch.Generator(device=self.device).manual_seed(model_config.seed)
-        # triton / flashinfer: one implementation for every sequence of a step, over persistent inputs
-        self.varlen = None
         self.input_batch = InputBatch(self.block_size, self.device)
+        self.varlen = None
         self.decode_graphs = None
+        self.decode_kernel = self.prefill_kernel = self.argmax = None
+        self.batch_invariant = False
+        a = self.args
+        kernels = cpu_kernels.linear_kernels(
+            [(a.num_heads + 2 * a.num_kv_heads) * a.head_dim, a.hidden_size, 2 * a.intermediate_size, a.vocab_size],
+            [a.hidden_size, a.num_heads * a.head_dim, a.intermediate_size]) if self.device.type == "cpu" and self.dtype == torch.bfloat16 else None
+        amx = limit_onednn_isa(model_config.amx) if self.device.type == "cpu" else False
+        linear = resolve_linear(model_config.linear_backend, self.device, self.dtype, kernels is not None, amx)
+        invariant = model_config.batch_invariant and self.device.type == "cpu" and self.dtype == torch.bfloat16
+        self.paths = self._select_paths(linear, self.backend, kernels, amx, invariant)
         if self.backend in ("triton", "flashinfer"):
             self.varlen = make_varlen_attention(self.backend, self.args, self.block_size, self.dtype, self.device)
         if self.device.type == "cuda" and self.backend != "torch" and not model_config.enforce_eager:
@@ -129,12 +134,60 @@ class ModelRunner:
             self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, min(model_config.cuda_graph_max_batch_size,
                                               scheduler_config.max_num_seqs), -(-max_len // self.block_size), self.device)
             self.decode_graphs.capture()
-        logger.info(
-            "model loaded in %.1fs: %d layers, KV cache %d blocks x %d tokens (%.0f MiB), attention: %s%s, weights: %s",
-            time.monotonic() - t0, self.args.num_layers, self.num_blocks, self.block_size,
-            self.kv_cache_bytes / 2**20, self.backend, " + decode CUDA graphs" if self.decode_graphs else "",
-            {"kernels": "C++ bf16 kernels", "onednn": "oneDNN packed", "dense": "dense"}[self.linear_impl],
-        )
+        logger.info("model loaded in %.1fs: %d layers, KV cache %d blocks x %d tokens (%.0f MiB)%s; %s",
+                    time.monotonic() - t0, self.args.num_layers, self.num_blocks, self.block_size, self.kv_cache_bytes / 2**20,
+                    " + decode CUDA graphs" if self.decode_graphs else "", self.paths.describe())
+
+    @property
+    def linear_impl(self) -> str:
+        return self.paths.linear
+
+    @property
+    def shares_output_blocks(self) -> bool:
+        """Whether blocks holding generated tokens may serve other requests' prompts from the prefix
+        cache. Not when the engine is batch invariant with a prompt-chunk kernel: a prompt position's
+        K/V then always comes from that kernel, an output position's from the decode kernel (the two
+        sum in other orders), and a cache hit must give what a fresh prefill would."""
+        return not (self.batch_invariant and self.prefill_kernel is not None)
+
+    def _use_paths(self, linear: str, attention: str, kernels, invariant: bool) -> dict[str, int]:
+        """Configure the loaded model and this runner for these paths; returns the row tiles."""
+        tiles = self.model.configure_projections(linear, kernels, invariant, self.max_num_batched_tokens, self.max_logit_rows)
+        cpu_ops = attention in ("cpu_kernel", "cpu_decode")
+        if cpu_ops and self.dtype == torch.bfloat16:
+            self.model.use_rms_norm_op(cpu_kernels.op("rms_norm_bf16"))
+            self.model.use_add_rms_norm_op(cpu_kernels.op("add_rms_norm_bf16"))
+            self.model.use_rope_write_kv_op(cpu_kernels.op("rope_write_kv_bf16"))
+        self.decode_kernel = cpu_kernels.op("paged_decode") if cpu_ops else None
+        # prompt chunks get their own kernel where it runs: bf16, AVX512-BF16, head_dim 64 or 128
+        supported = cpu_kernels.op("paged_prefill_supported") if self.decode_kernel is not None and attention == "cpu_kernel" else None
+        self.prefill_kernel = (cpu_kernels.op("paged_prefill") if supported is not None and self.dtype == torch.bfloat16
+                               and supported(self.args.head_dim) else None)
+        self.argmax = cpu_kernels.op("argmax_rows") if cpu_ops else None
+        # invariance needs the decode kernel: the reference path's SDPA depends on the batch's shapes
+        self.batch_invariant = invariant and self.decode_kernel is not None
+        return tiles
+
+    def _select_paths(self, linear: str, attention: str, kernels, amx: bool, invariant: bool) -> ExecutionPaths:
+        """Configure `linear` / `attention` and run the self-check (CPU only); on a failure, log why and
+        fall back to torch's projections with the decode kernel, then to the reference path."""
+        if self.device.type != "cpu":
+            self._use_paths(linear, attention, kernels, False)
+            return ExecutionPaths(linear, attention, False, False)
+        reference = run_check(self)  # the reference path: dense weights, torch attention (nothing configured yet)
+        candidates = [(linear, attention, invariant), ("dense", "cpu_decode", invariant), ("dense", "torch", False)]
+        failures = []
+        for i, (lin, att, inv) in enumerate(candidates):
+            if i:
+                self.model = load_model(self.model_path, self.hf_config, self.dtype, str(self.device))
+            tiles = self._use_paths(lin, att, kernels, inv)
+            problem = verdict(run_check(self), reference, self.batch_invariant)
+            if problem is None:
+                check = "passed" if not failures else f"fell back: {'; '.join(failures)}"
+                return ExecutionPaths(lin, att, amx and lin == "onednn", self.batch_invariant, tuple(tiles.items()), check)
+            failures.append(f"{lin}/{att}: {problem}")
+            logger.warning("self-check: projections %s with attention %s failed (%s); trying the next paths", lin, att, problem)
+        raise RuntimeError(f"self-check: even the reference path failed: {'; '.join(failures)}")
 
     def _tensor(self, data: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype, device=self.device)
@@ -211,7 +264,7 @@ class ModelRunner:
         return self.model(step.input_ids, step.positions, self.kv_caches, meta), None
 
     def _rank(self, s: ScheduledRequest) -> int:
-        return kernel_rank(s, self.decode_kernel is not None, self.prefill_kernel is not None)
+        return kernel_rank(s, self.decode_kernel is not None, self.prefill_kernel is not None, self.batch_invariant)
 
     def _order(self, scheduled: Sequence[ScheduledRequest]) -> list[ScheduledRequest]:
         """A step's requests in row order (`kernel_rank`; stable)."""

@@ -30,7 +30,9 @@ class ScheduledRequest:
     start_pos: int
     block_table: tuple[int, ...]
     sample: bool
-    reads_prompt: bool  # for stats only: some of these tokens are prompt tokens
+    # these are prompt tokens (a chunk never mixes prompt and generated tokens: the scheduler splits a
+    # recompute at the prompt's end); False: generated tokens, attended as decode rows
+    reads_prompt: bool
     sampling_params: SamplingParams
     generator_key: int | None  # seed-derived key of this request's next sample (None: unseeded)
     # for the logits processors (engine/penalties.py), set only on sampling chunks that need them:

@@ -40,6 +40,15 @@ from serve_app.metrics.stats import SchedulerStats
 from serve_app.types import FinishReason, RequestMetrics
 
 
+def next_chunk(request: Request, num_computed: int) -> int:
+    """The most tokens the request's next chunk may read after `num_computed`: the rest of it, but a
+    chunk of prompt tokens stops at the prompt's end (a recompute after preemption reads its prompt,
+    then its generated tokens, as decode rows: each position is computed as it was the first time)."""
+    if num_computed < request.num_prompt_tokens:
+        return request.num_prompt_tokens - num_computed
+    return request.num_tokens - num_computed
+
+
 class Scheduler:
     def __init__(
         self,
@@ -130,7 +139,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = request.num_tokens - request.num_computed_tokens
+            num_new = next_chunk(request, request.num_computed_tokens)
             if not chunked and num_new > budget:
                 i += 1
                 continue
@@ -165,7 +174,7 @@ class Scheduler:
                     deferred.append(self.waiting.popleft())
                     continue
                 num_cached = len(cached) * self.block_manager.block_size
-                num_new = request.num_tokens - num_cached
+                num_new = next_chunk(request, num_cached)
                 if not chunked and num_new > budget:
                     break
                 num_new = min(num_new, budget)
@@ -218,7 +227,9 @@ class Scheduler:
         """Proposed tokens for the step's decoding requests, with their blocks allocated."""
         candidates = []
         for request, num_new in picked:
-            if num_new != 1 or request.num_tokens - request.num_computed_tokens != 1 or not request.sampling_params.can_speculate:
+            # (a prompt's last token is read as a prompt token, never as a verification row)
+            if (num_new != 1 or request.num_tokens - request.num_computed_tokens != 1 or not request.sampling_params.can_speculate
+                    or request.num_computed_tokens < request.num_prompt_tokens):
                 continue
             # a proposal past max_tokens or the context length could never be used
             max_k = min(request.sampling_params.max_tokens - request.num_output_tokens - 1, self.max_model_len - request.num_tokens)

@@ -64,12 +64,19 @@ def test_fused_silu_mul_matches_linear_then_silu_mul(rows):
     assert torch.equal(out, F.silu(gate) * up)  # torch's rounding after the matmul, silu and mul, bit for bit
 
 
-def test_logits_are_the_bf16_matmul_widened():
+def test_logits_are_the_fp32_accumulators_never_rounded_to_bf16():
+    """The lm_head's logits are the same sums as the bf16 matmul's, before its rounding: rounded,
+    they are its result bit for bit; unrounded, nearer the exact product, and ties of the bf16
+    result (two tokens on the same bf16 value) mostly separate."""
     w, _ = weights(49152 // 16, 576, 1)
     x = torch.randn(37, 576).bfloat16()
     logits = cpu_kernels.op("linear_logits_bf16")(x, pack(w))
+    rounded = cpu_kernels.op("linear_bf16")(x, pack(w))
     assert logits.dtype == torch.float32
-    assert torch.equal(logits, cpu_kernels.op("linear_bf16")(x, pack(w)).float())
+    assert torch.equal(logits.bfloat16(), rounded)
+    assert (logits != rounded.float()).float().mean() > 0.9  # not bf16 values widened
+    exact = F.linear(x.double(), w.double())
+    assert (logits.double() - exact).abs().max() < (rounded.double() - exact).abs().max() / 10
 
 
 def test_pack_rejects_shapes_the_layout_cannot_hold():
@@ -83,16 +90,14 @@ def test_pack_rejects_shapes_the_layout_cannot_hold():
     assert cpu_kernels.linear_kernels([960, 576, 3072, 49155], [576, 576, 1536]) is None  # a vocab the layout cannot pad
 
 
-def test_model_logits_on_the_kernels_no_further_from_fp32_than_on_onednn(model_dir, prompt_ids, monkeypatch):
-    """bf16, real model, one step prefilling 8 prompts (every projection, the lm_head on 8 rows): the
-    runner picks the kernels here, and their logits are within bf16 noise of the fp32 engine's and no
-    further from them than those of the same engine on oneDNN's packed matmuls."""
+def test_model_logits_on_the_kernels_no_further_from_fp32_than_on_onednn(model_dir, prompt_ids):
+    """bf16, real model, one step prefilling 8 prompts (every projection, the lm_head on 8 rows): on
+    the kernels the logits are within bf16 noise of the fp32 engine's and no further from them than
+    those of the same engine on oneDNN's packed matmuls (both forced: an AMX machine picks oneDNN)."""
     from serve_app.engine import LLM
     from serve_app.engine.outputs import ScheduledRequest
     from serve_app.types import SamplingParams
 
-    if torch.cpu._is_amx_tile_supported():
-        pytest.skip("AMX: the runner keeps oneDNN")
     greedy = SamplingParams(temperature=0.0, max_tokens=4)
     scheduled, first = [], 0
     for i, ids in enumerate(prompt_ids):
@@ -100,17 +105,16 @@ def test_model_logits_on_the_kernels_no_further_from_fp32_than_on_onednn(model_d
         first += len(blocks)
         scheduled.append(ScheduledRequest(f"r{i}", tuple(ids), 0, blocks, True, True, greedy, None))
 
-    def logits(dtype: str) -> tuple[str, torch.Tensor]:
-        runner = LLM(model_dir, dtype=dtype, kv_cache_memory_gib=0.1, max_num_batched_tokens=1024).engine.core.model_runner
+    def logits(dtype: str, **paths) -> tuple[str, torch.Tensor]:
+        runner = LLM(model_dir, dtype=dtype, kv_cache_memory_gib=0.1, max_num_batched_tokens=1024, **paths).engine.core.model_runner
         return runner.linear_impl, runner.sampling_logits(scheduled)[1]
 
-    impl, on_kernels = logits("bfloat16")
+    impl, on_kernels = logits("bfloat16", linear_backend="kernels")
     assert impl == "kernels"
     _, fp32 = logits("float32")
-    monkeypatch.setattr(cpu_kernels, "linear_kernels", lambda *args: None)
-    impl, on_onednn = logits("bfloat16")
+    impl, on_onednn = logits("bfloat16", linear_backend="onednn")
     assert impl == "onednn"
     err_kernels, err_onednn = (on_kernels - fp32).abs(), (on_onednn - fp32).abs()
     assert err_kernels.max() < 0.05 * fp32.abs().max()  # bf16 noise (logits reach ~30 here)
-    assert err_kernels.max() <= 1.25 * err_onednn.max() and err_kernels.mean() <= 1.05 * err_onednn.mean()
+    assert err_kernels.max() <= 1.5 * err_onednn.max() and err_kernels.mean() <= 1.05 * err_onednn.mean()
     assert (on_kernels.argmax(-1) == fp32.argmax(-1)).sum() >= (on_onednn.argmax(-1) == fp32.argmax(-1)).sum() - 1

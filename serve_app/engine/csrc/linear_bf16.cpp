@@ -8,8 +8,9 @@
 //     `interleave` the two halves of the rows (gate and up of a fused gate/up projection) alternate
 //     block by block, as linear_silu_mul_bf16 reads them.
 //   linear_bf16(x [M, K], packed, bias?) -> [M, N] bf16
-//   linear_logits_bf16(x, packed) -> [M, N] fp32 holding the bf16-rounded values (the lm_head: what
-//     `linear(...).float()` gives, without the bf16 intermediate)
+//   linear_logits_bf16(x, packed) -> [M, N] fp32: the lm_head's fp32 accumulators as they are, never
+//     rounded to bf16 (a bf16 step near a logit of 25 is 0.125: rounding made near-ties between
+//     tokens exact ties, decided by token id rather than by the model)
 //   linear_silu_mul_bf16(x, packed interleaved) -> [M, N / 2] bf16: silu(gate) * up of the fused
 //     gate/up projection, rounded exactly where torch's linear, silu and mul round (SLEEF's expf, as
 //     torch's vectorized silu uses it), without the [M, N] intermediate.
@@ -111,7 +112,7 @@ inline void tile(const Problem& p, const uint32_t* x, const uint32_t* w, int64_t
       const int64_t c = col + 16 * v;
       if (p.bias) a = _mm512_add_ps(a, from_bits(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.bias + c)))));
       if constexpr (E == Epilogue::kLogits)
-        _mm512_storeu_ps(static_cast<float*>(p.y) + (row + r) * p.ldy + c, round_bf16(a));
+        _mm512_storeu_ps(static_cast<float*>(p.y) + (row + r) * p.ldy + c, a);
       else
         store_bf16(static_cast<uint16_t*>(p.y) + (row + r) * p.ldy + c, a);
     }

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from serve_app.engine.attention import AttentionMetadata, paged_attention
+from serve_app.engine.models.row_invariance import Projection, invariant_tile, row_tiled
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 
@@ -116,8 +117,13 @@ def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
-def _packed_logits(x: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
-    return _packed_linear(x, head).float()
+def _packed_fp32_logits(x: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+    """fp32 logits [M, V] from bf16 hidden states and a head packed by oneDNN in fp32."""
+    return _packed_linear(x.float(), head)
+
+
+def _dense_logits(x: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, head).float()
 
 
 class LlamaLayer(nn.Module):
@@ -144,10 +150,12 @@ class LlamaForCausalLM(nn.Module):
         self.scale = args.head_dim**-0.5
         self._cos: torch.Tensor | None = None
         self._sin: torch.Tensor | None = None
-        self._linear = F.linear  # (x, weight, bias) -> y, for the weights as `pack_linear_weights` left them
-        self._silu_mul_linear = None  # (x, gate_up) -> silu(gate) * up, where a kernel fuses it (C++ CPU kernels)
-        self._lm_head_packed: torch.Tensor | None = None
-        self._logits_linear = None  # (x, packed lm_head) -> fp32 logits
+        # projection name -> (x, weight[, bias]) -> y, for the weights as `configure_projections` left them;
+        # "gate_up" gives silu(gate) * up directly where a kernel fuses it (`_silu_mul_linear`)
+        self._linears: dict[str, object] = dict.fromkeys(("qkv", "o", "gate_up", "down"), F.linear)
+        self._silu_mul_linear = False
+        self._lm_head_packed: torch.Tensor | None = None  # the lm_head as `_logits_linear` reads it
+        self._logits_linear = _dense_logits  # (x, head) -> fp32 logits
         self._rms_norm_op = None  # (x, weight, eps) -> normed, replacing F.rms_norm (bf16 CPU op)
         self._add_rms_norm_op = None  # (x, residual, weight, eps) -> normed, residual += x in place (bf16 CPU op)
         self._rope_write_kv_op = None  # RoPE on q/k in place + k/v to the cache (bf16 CPU op, csrc/rope_kv.cpp)
@@ -179,42 +187,58 @@ class LlamaForCausalLM(nn.Module):
             return self._rms_norm_op(x, weight, self.args.rms_norm_eps)
         return F.rms_norm(x, (self.args.hidden_size,), weight, self.args.rms_norm_eps)
 
-    def pack_linear_weights(self, kernels=None) -> str:
-        """On CPU in bf16, put every projection's weight in a packed layout once; returns what runs the
-        projections from then on: "kernels", "onednn" or "dense" (nothing changed: other devices, dtypes).
+    def configure_projections(self, kind: str, kernels=None, invariant: bool = False, max_rows: int = 2048,
+                              max_logit_rows: int = 256) -> dict[str, int]:
+        """Choose how the projections run from now on (on CPU; elsewhere only "dense" exists) and put
+        their weights in that layout once. Returns the row tile of each projection (0: untiled).
 
-        - `kernels` (`cpu_kernels.LinearKernels`, the C++ AVX512-BF16 kernels) when given: their own
-          layout, the gate/up halves interleaved so that SiLU·mul runs in the matmul's epilogue and
-          the lm_head writes fp32 logits directly. Within one bf16 ulp of F.linear (another summation
-          order: about one output in 10^4 rounds the other way); the epilogues round as torch's ops.
-        - else oneDNN's layout (`torch.ops.mkldnn._reorder_linear_weight`): F.linear re-packs the
-          weight on every call; packed, a batch-64 decode step's matmuls run 10-25% faster, with
-          bit-identical results.
-        The dense embedding stays for lookups; a tied lm_head gets its own packed copy.
+        - "kernels" (`cpu_kernels.LinearKernels`, the C++ AVX512-BF16 kernels): their own layout, the
+          gate/up halves interleaved so that SiLU·mul runs in the matmul's epilogue. Within one bf16
+          ulp of F.linear (another summation order); the epilogues round as torch's ops.
+        - "onednn": oneDNN's packed layout (`torch.ops.mkldnn._reorder_linear_weight`; AMX where the
+          CPU has it), rows padded to `linear_rows_bucket`, bit-identical to F.linear.
+        - "dense": torch's F.linear on the weights as loaded.
+        Logits are fp32 on every path: the C++ lm_head kernel's accumulators where the kernels exist
+        (whatever runs the other projections), else oneDNN's fp32 matmul over an fp32 copy of the head.
+        With `invariant`, each projection is measured (`row_invariance.invariant_tile`) up to
+        `max_rows` rows (`max_logit_rows` for the lm_head) and called on row tiles it is invariant at.
         """
-        if not (self.embed.device.type == "cpu" and self.embed.dtype == torch.bfloat16):
-            return "dense"
         head = self.embed if self.lm_head is None else self.lm_head
-        if kernels is not None:
-            for layer in self.layers:
-                for name in ("qkv", "o", "down"):
-                    setattr(layer, name, nn.Parameter(kernels.pack(getattr(layer, name).data), requires_grad=False))
-                layer.gate_up = nn.Parameter(kernels.pack(layer.gate_up.data, interleave=True), requires_grad=False)
-            self._lm_head_packed = kernels.pack(head.data)
-            self._linear = kernels.linear
-            self._silu_mul_linear = kernels.silu_mul
-            self._logits_linear = kernels.logits
-            return "kernels"
-        if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-            return "dense"
-        pack = torch.ops.mkldnn._reorder_linear_weight
+        cpu_bf16 = self.embed.device.type == "cpu" and self.embed.dtype == torch.bfloat16
+        names = ("qkv", "o", "gate_up", "down")
+        dense = Projection("dense", F.linear, lambda w: w)
+        projections = dict.fromkeys(names, dense)
+        if kind == "kernels":
+            projections = dict.fromkeys(names, Projection("kernels", kernels.linear, kernels.pack))
+            projections["gate_up"] = Projection("kernels-silu-mul", kernels.silu_mul, lambda w: kernels.pack(w, interleave=True))
+        elif kind == "onednn":
+            projections = dict.fromkeys(names, Projection("onednn", _packed_linear, lambda w: torch.ops.mkldnn._reorder_linear_weight(w, None)))
+        elif kind != "dense":
+            raise ValueError(f"linear_backend: unknown {kind!r}")
+        if cpu_bf16 and kernels is not None:
+            logits = Projection("kernels-logits", kernels.logits, kernels.pack)
+        elif cpu_bf16:  # fp32 logits without the C++ kernels: oneDNN's fp32 matmul (row-invariant, unlike MKL's)
+            logits = Projection("onednn-fp32-logits", _packed_fp32_logits,
+                                lambda w: torch.ops.mkldnn._reorder_linear_weight(w.float(), None))
+        else:
+            logits = Projection("dense-logits", _dense_logits, lambda w: w)
         for layer in self.layers:
-            for name in ("qkv", "o", "gate_up", "down"):
-                setattr(layer, name, nn.Parameter(pack(getattr(layer, name).data, None), requires_grad=False))
-        self._lm_head_packed = pack(head.data, None)
-        self._linear = _packed_linear
-        self._logits_linear = _packed_logits
-        return "onednn"
+            for name in names:
+                setattr(layer, name, nn.Parameter(projections[name].pack(getattr(layer, name).data), requires_grad=False))
+        self._silu_mul_linear = kind == "kernels"
+        self._lm_head_packed = logits.pack(head.data)
+        tiles = dict.fromkeys((*names, "lm_head"), 0)
+        if invariant:
+            a = self.args
+            q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+            shapes = {"qkv": (q + 2 * kv, a.hidden_size), "o": (a.hidden_size, q), "gate_up": (2 * a.intermediate_size, a.hidden_size),
+                      "down": (a.hidden_size, a.intermediate_size), "lm_head": (a.vocab_size, a.hidden_size)}
+            for name in names:
+                tiles[name] = invariant_tile(projections[name], *shapes[name], self.embed.dtype, max_rows)
+            tiles["lm_head"] = invariant_tile(logits, *shapes["lm_head"], self.embed.dtype, max_logit_rows)
+        self._linears = {name: row_tiled(projections[name].fn, tiles[name]) for name in names}
+        self._logits_linear = row_tiled(logits.fn, tiles["lm_head"])
+        return tiles
 
     def init_rope(self, max_positions: int) -> None:
         """cos/sin tables [max_positions, head_dim] in the model dtype (computed in fp32, as HF does)."""
@@ -253,7 +277,7 @@ class LlamaForCausalLM(nn.Module):
                 residual, x = hidden, self._norm(hidden, layer.input_norm)
             else:  # the previous layer's MLP output joins the residual stream here
                 x, residual = self._add_norm(hidden, residual, layer.input_norm)
-            qkv = self._linear(x, layer.qkv, layer.qkv_bias)  # [T, q + 2 kv]
+            qkv = self._linears["qkv"](x, layer.qkv, layer.qkv_bias)  # [T, q + 2 kv]
             if fused_rope:  # q and k rotated in place, k and v already in the cache
                 self._rope_write_kv_op(qkv, positions, self._cos, self._sin, k_cache, v_cache, meta.slot_mapping,
                                        a.num_heads, a.num_kv_heads)
@@ -264,18 +288,19 @@ class LlamaForCausalLM(nn.Module):
                 q, k = qk[:, : a.num_heads], qk[:, a.num_heads :]
             v = qkv[:, q_size + kv_size :].view(num_tokens, a.num_kv_heads, a.head_dim)
             attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, kv_written=fused_rope)  # [T, H, D]
-            x, residual = self._add_norm(self._linear(attn.view(num_tokens, q_size), layer.o), residual, layer.post_norm)
-            if self._silu_mul_linear is not None:
-                act = self._silu_mul_linear(x, layer.gate_up)
+            x, residual = self._add_norm(self._linears["o"](attn.view(num_tokens, q_size), layer.o), residual, layer.post_norm)
+            if self._silu_mul_linear:
+                act = self._linears["gate_up"](x, layer.gate_up)
             else:
-                gate, up = self._linear(x, layer.gate_up).chunk(2, dim=-1)
+                gate, up = self._linears["gate_up"](x, layer.gate_up).chunk(2, dim=-1)
                 act = F.silu(gate) * up
-            hidden = self._linear(act, layer.down)
+            hidden = self._linears["down"](act, layer.down)
         return residual + hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[S, hidden] → fp32 logits [S, vocab]."""
         x = self._norm(hidden, self.norm)
-        if self._lm_head_packed is not None:
-            return self._logits_linear(x, self._lm_head_packed)
-        return F.linear(x, self.embed if self.lm_head is None else self.lm_head).float()
+        head = self._lm_head_packed
+        if head is None:
+            head = self.embed if self.lm_head is None else self.lm_head
+        return self._logits_linear(x, head)

@@ -85,7 +85,7 @@ class DraftProposer:
             active = [d for d in work if position < d.candidate.max_k]
             scheduled = [ScheduledRequest(d.seq.request_id, tuple(d.feed), d.seq.num_computed_tokens,
                                           tuple(self.blocks.block_table(d.seq.request_id)), sample=True,
-                                          reads_prompt=False, sampling_params=d.candidate.sampling_params or SamplingParams(),
+                                          reads_prompt=len(d.feed) > 1, sampling_params=d.candidate.sampling_params or SamplingParams(),
                                           generator_key=None) for d in active]
             samplers, logits = self.runner.sampling_logits(scheduled)
             by_id = {d.seq.request_id: d for d in active}
