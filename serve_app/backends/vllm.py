@@ -122,6 +122,10 @@ class VLLMBackend(Backend):
         vllm_config = self._engine.vllm_config
         # vLLM's usage ratio excludes its one null block: used / (num_gpu_blocks - 1)
         self.stats.set_num_total_blocks(max(int(vllm_config.cache_config.num_gpu_blocks or 1) - 1, 0))
+        # vLLM picks its own kernels; it is batch invariant only in its own mode (VLLM_BATCH_INVARIANT=1, GPUs)
+        invariant = os.environ.get("VLLM_BATCH_INVARIANT", "0") == "1"
+        self.stats.record_paths({"linear": "vllm", "attention": "vllm", "amx": "false", "batch_invariant": str(invariant).lower(),
+                                 "self_check": "not run"})
         self._max_model_len = int(vllm_config.model_config.max_model_len)
         self._input = InputProcessor(self.model, vllm_config.model_config.get_vocab_size(), self._max_model_len)
         logger.info(

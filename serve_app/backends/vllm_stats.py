@@ -178,6 +178,13 @@ class VLLMStatsBridge:
         except Exception:  # noqa: BLE001
             self._on_error()
 
+    def record_paths(self, labels: dict[str, str]) -> None:
+        """What runs the model (the labels of `llm_engine_execution_paths`), once at start."""
+        try:
+            self._each("record_paths", labels)
+        except Exception:  # noqa: BLE001
+            self._on_error()
+
     def _each(self, method: str, *args: Any) -> None:
         for stat_logger in self.stat_loggers:
             fn: Callable[..., Any] | None = getattr(stat_logger, method, None)

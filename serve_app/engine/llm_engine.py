@@ -24,7 +24,8 @@ class StatLogger(Protocol):
 
     A logger may also define `record_load(load: EngineLoad)`: it is then called with the engine's
     load after requests finish outside a step (aborts, stop strings), so gauges don't go stale
-    on an engine that goes idle.
+    on an engine that goes idle; and `record_paths(labels: dict[str, str])`, called once with the
+    execution paths the model runner chose (`ExecutionPaths.labels`).
     """
 
     def record(self, scheduler_stats: SchedulerStats | None, finished: list[tuple[FinishReason, RequestMetrics]]) -> None: ...
@@ -39,6 +40,9 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.input_processor.tokenizer)
         self.stat_loggers = list(stat_loggers)
         self.last_stats: SchedulerStats | None = None
+        for stat_logger in self.stat_loggers:
+            if hasattr(stat_logger, "record_paths"):
+                stat_logger.record_paths(runner.paths.labels)
 
     @property
     def max_model_len(self) -> int:

@@ -31,7 +31,7 @@ from serve_app.engine.models.loader import load_model
 from serve_app.engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from serve_app.engine.penalties import process_logits
 from serve_app.engine.sampler import sample, sampling_probs
-from serve_app.engine.self_check import run_check, verdict
+from serve_app.engine.self_check import check_prompt_len, run_check, verdict
 from serve_app.engine.spec_decode.acceptance import accept
 from serve_app.engine.spec_decode.rejection import rejection_sample
 
@@ -171,17 +171,19 @@ class ModelRunner:
     def _select_paths(self, linear: str, attention: str, kernels, amx: bool, invariant: bool) -> ExecutionPaths:
         """Configure `linear` / `attention` and run the self-check (CPU only); on a failure, log why and
         fall back to torch's projections with the decode kernel, then to the reference path."""
-        if self.device.type != "cpu":
-            self._use_paths(linear, attention, kernels, False)
-            return ExecutionPaths(linear, attention, False, False)
-        reference = run_check(self)  # the reference path: dense weights, torch attention (nothing configured yet)
+        length = check_prompt_len(self.num_blocks, self.block_size)
+        if self.device.type != "cpu" or not length:
+            tiles = self._use_paths(linear, attention, kernels, invariant)
+            return ExecutionPaths(linear, attention, amx and linear == "onednn", self.batch_invariant, tuple(tiles.items()),
+                                  "not run: " + ("not on CPU" if self.device.type != "cpu" else "KV cache too small"))
+        reference = run_check(self, length)  # the reference path: dense weights, torch attention (nothing configured yet)
         candidates = [(linear, attention, invariant), ("dense", "cpu_decode", invariant), ("dense", "torch", False)]
         failures = []
         for i, (lin, att, inv) in enumerate(candidates):
             if i:
                 self.model = load_model(self.model_path, self.hf_config, self.dtype, str(self.device))
             tiles = self._use_paths(lin, att, kernels, inv)
-            problem = verdict(run_check(self), reference, self.batch_invariant)
+            problem = verdict(run_check(self, length), reference, self.batch_invariant)
             if problem is None:
                 check = "passed" if not failures else f"fell back: {'; '.join(failures)}"
                 return ExecutionPaths(lin, att, amx and lin == "onednn", self.batch_invariant, tuple(tiles.items()), check)

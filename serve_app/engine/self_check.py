@@ -21,8 +21,8 @@ import torch
 from serve_app.engine.outputs import ScheduledRequest
 from serve_app.types import SamplingParams
 
-PROMPT_LEN = 40  # tokens: two full blocks of 16 and a part block, so the split below crosses blocks
-SPLIT = 32  # the "cached prefix" of the chunked run
+PROMPT_LEN = 40  # tokens (fewer where the KV cache holds less): with blocks of 16, two full and a part one
+MIN_PROMPT_LEN = 4
 TOP_K = 5
 
 _GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
@@ -39,11 +39,18 @@ class CheckLogits:
     decode_batched: torch.Tensor
 
 
-def check_prompts(vocab_size: int) -> tuple[list[int], list[int]]:
-    """Two fixed prompts of `PROMPT_LEN` token ids (the same on every machine)."""
+def check_prompt_len(num_blocks: int, block_size: int) -> int:
+    """The check prompts' length: `PROMPT_LEN`, or what half the KV cache holds with a decoded token
+    (0 when that is under `MIN_PROMPT_LEN`: no check)."""
+    length = min(PROMPT_LEN, num_blocks // 2 * block_size - 1)
+    return length if length >= MIN_PROMPT_LEN else 0
+
+
+def check_prompts(vocab_size: int, length: int) -> tuple[list[int], list[int]]:
+    """Two fixed prompts of `length` token ids (the same on every machine)."""
     gen = torch.Generator().manual_seed(1234)
     low = min(100, vocab_size // 2)
-    ids = torch.randint(low, vocab_size, (2, PROMPT_LEN), generator=gen).tolist()
+    ids = torch.randint(low, vocab_size, (2, length), generator=gen).tolist()
     return ids[0], ids[1]
 
 
@@ -51,11 +58,12 @@ def _request(rid: str, tokens: list[int], start: int, table: tuple[int, ...], sa
     return ScheduledRequest(rid, tuple(tokens), start, table, sample, prompt, _GREEDY, None)
 
 
-def run_check(runner) -> CheckLogits:
+def run_check(runner, length: int) -> CheckLogits:
     """Compute the check prompt's logits every way through `runner.sampling_logits` (whatever paths
-    the runner has now), over KV blocks 0 .. 2n-1 (n blocks per prompt)."""
-    a, b = check_prompts(runner.args.vocab_size)
-    n = -(-(PROMPT_LEN + 1) // runner.block_size)
+    the runner has now), over KV blocks 0 .. 2n-1 (n blocks per prompt of `length` tokens)."""
+    a, b = check_prompts(runner.args.vocab_size, length)
+    split = length * 4 // 5  # the "cached prefix" of the chunked run
+    n = -(-(length + 1) // runner.block_size)
     table_a, table_b = tuple(range(n)), tuple(range(n, 2 * n))
 
     def last(scheduled: list[ScheduledRequest], rid: str = "a") -> torch.Tensor:
@@ -64,12 +72,12 @@ def run_check(runner) -> CheckLogits:
 
     whole = last([_request("a", a, 0, table_a, True, True)])
     next_token = int(whole.argmax())
-    decode_alone = last([_request("a", [next_token], PROMPT_LEN, table_a, True, False)])
-    runner.sampling_logits([_request("a", a[:SPLIT], 0, table_a, False, True)])
-    chunked = last([_request("a", a[SPLIT:], SPLIT, table_a, True, True)])
+    decode_alone = last([_request("a", [next_token], length, table_a, True, False)])
+    runner.sampling_logits([_request("a", a[:split], 0, table_a, False, True)])
+    chunked = last([_request("a", a[split:], split, table_a, True, True)])
     batched = last([_request("b", b, 0, table_b, True, True), _request("a", a, 0, table_a, True, True)])
-    decode_batched = last([_request("b", [int(b[0])], PROMPT_LEN, table_b, True, False),
-                           _request("a", [next_token], PROMPT_LEN, table_a, True, False)])
+    decode_batched = last([_request("b", [int(b[0])], length, table_b, True, False),
+                           _request("a", [next_token], length, table_a, True, False)])
     return CheckLogits(whole, chunked, batched, decode_alone, decode_batched)
 
 

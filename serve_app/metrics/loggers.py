@@ -13,6 +13,7 @@ What is recorded:
 - per step: batch size, tokens computed and duration (histograms); KV-cache usage, running and
   waiting requests (gauges, as of the end of the step); preemptions, prefix-cache queries / hits and
   speculative decoding's proposed / accepted tokens, verified and candidate requests (counters);
+- once, the engine's execution paths as the labels of `llm_engine_execution_paths` (value 1);
 - per finished request: `llm_request_success_total{finish_reason}`; prompt and generation tokens;
   TTFT and queue time (when the request got that far, aborted or not); e2e latency and TPOT for
   requests that completed (stop / length), not for aborted ones.
@@ -75,6 +76,10 @@ class MetricsStatLogger:
             self._safe(gauge.set, 0.0)
 
     # ---- StatLogger ------------------------------------------------------------------------------
+    def record_paths(self, labels: dict[str, str]) -> None:
+        """The engine's execution paths, once: `llm_engine_execution_paths{...} 1`."""
+        self._safe(self.instruments[names.ENGINE_EXECUTION_PATHS.name].set, 1.0, labels)
+
     def record(self, scheduler_stats: SchedulerStats | None, finished: list[tuple[FinishReason, RequestMetrics]]) -> None:
         try:
             if scheduler_stats is not None:

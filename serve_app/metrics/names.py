@@ -26,6 +26,7 @@ FINISH_REASON_LABEL = "finish_reason"
 # reserved and names the replica that *records* the metric (for the router: the ingress replica).
 TARGET_REPLICA_LABEL = "target_replica"
 ROUTING_REASON_LABEL = "reason"  # cache_hit | spill | load | fallback (serving.prefix_policy)
+PATH_LABELS = ("linear", "attention", "amx", "batch_invariant", "self_check")  # engine/execution_paths.py
 PREDICTION_SOURCE_LABEL = "source"  # exact (replica's cache events) | approximate (router's own history)
 
 
@@ -138,6 +139,12 @@ SPEC_DECODE_REQUESTS = MetricSpec(
     "Request-steps that could have been verified (decoding, speculation on, not opted out); "
     "mean chosen k = proposed / this.")
 
+ENGINE_EXECUTION_PATHS = MetricSpec(
+    "llm_engine_execution_paths", "gauge",
+    "1 for the execution paths this engine runs (projections, attention, AMX, batch invariance) and its "
+    "start-up self-check's verdict (passed, fell back, not run).",
+    labels=PATH_LABELS)
+
 # ---- router metrics (recorded by the request router, in the process that routes) -----------------
 ROUTER_STATS_AGE = MetricSpec(
     "llm_router_stats_age_seconds", "gauge",
@@ -171,7 +178,7 @@ ENGINE_METRICS: tuple[MetricSpec, ...] = (
     TIME_TO_FIRST_TOKEN, TIME_PER_OUTPUT_TOKEN, E2E_REQUEST_LATENCY, REQUEST_QUEUE_TIME,
     KV_CACHE_USAGE, NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING,
     NUM_PREEMPTIONS, PROMPT_TOKENS, GENERATION_TOKENS, PREFIX_CACHE_QUERIES, PREFIX_CACHE_HITS, REQUEST_SUCCESS,
-    SPEC_PROPOSED_TOKENS, SPEC_ACCEPTED_TOKENS, SPEC_VERIFIED_REQUESTS, SPEC_DECODE_REQUESTS,
+    SPEC_PROPOSED_TOKENS, SPEC_ACCEPTED_TOKENS, SPEC_VERIFIED_REQUESTS, SPEC_DECODE_REQUESTS, ENGINE_EXECUTION_PATHS,
 )
 ROUTER_METRICS: tuple[MetricSpec, ...] = (ROUTER_STATS_AGE, ROUTER_ROUTED_REQUESTS, ROUTER_DECISIONS, ROUTER_CACHED_TOKENS_ABS_ERROR,
                                           ROUTER_PREDICTED_CACHED_TOKENS, ROUTER_ACTUAL_CACHED_TOKENS)

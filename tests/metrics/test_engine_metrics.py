@@ -53,6 +53,10 @@ def test_known_traffic_exact_values(model_dir, recorder):
     for reason in FinishReason:
         assert sample(reg, "llm_request_success_total", model=MODEL, finish_reason=str(reason)) == 0
     assert sample(reg, "llm_generation_tokens_total", model=MODEL) == 0
+    # the paths the runner chose (fp32: no invariance claimed, the self-check still ran)
+    paths = llm.engine.core.model_runner.paths
+    assert sample(reg, "llm_engine_execution_paths", model=MODEL, **paths.labels) == 1
+    assert paths.labels["batch_invariant"] == "false" and paths.labels["self_check"] == "passed"
 
     prompts = distinct_prompts(n, base_len=9)
     steps: list[int] = []

@@ -32,6 +32,7 @@ DOCUMENTED_TABLE = {
     "llm_spec_accepted_tokens_total": "counter",
     "llm_spec_verified_requests_total": "counter",
     "llm_spec_decode_requests_total": "counter",
+    "llm_engine_execution_paths": "gauge",
 }
 
 
