@@ -104,12 +104,14 @@ class TorchRunner(EngineRunner):
 class NativeRunner(TorchRunner):
     """serve_app's continuous-batching engine through the offline `LLM` API."""
 
-    def __init__(self, opts: dict[str, Any]) -> None:
+    def __init__(self, opts: dict[str, Any], **paths: Any) -> None:
+        """`paths`: ModelConfig's execution-path options (linear_backend, batch_invariant, ...)."""
         super().__init__(opts)
         from serve_app.engine import LLM
 
         self.llm = LLM(
             opts["model"],
+            **paths,
             dtype=opts["dtype"],
             device=opts["device"],
             batching="continuous",
@@ -158,6 +160,7 @@ class NativeRunner(TorchRunner):
         info["kv_cache_blocks"] = getattr(runner, "num_blocks", None)
         info["attention_decode"] = "C++ kernel" if getattr(runner, "decode_kernel", None) else "torch"
         info["projections"] = runner.linear_impl  # "kernels" (C++ bf16), "onednn" or "dense"
+        info["execution_paths"] = runner.paths.describe()
         if self.device.startswith("cuda"):  # what ran there: triton / flashinfer / torch, graphs or not
             info["attention_decode"] = runner.backend + (" + CUDA graphs" if runner.decode_graphs is not None else "")
         return info
@@ -284,6 +287,12 @@ def _hf_label(opts: dict[str, Any]) -> str:
 
 ENGINES: dict[str, EngineSpec] = {
     "native": EngineSpec("native (continuous batching)", NativeRunner),
+    # the same engine on other execution paths (docs/batch-invariance.md): what invariance costs
+    "native-rowdep": EngineSpec("native, not batch invariant", lambda o: NativeRunner(o, batch_invariant=False)),
+    "native-onednn": EngineSpec("native, oneDNN on invariant row tiles",
+                                lambda o: NativeRunner(o, linear_backend="onednn")),
+    "native-onednn-rowdep": EngineSpec("native, oneDNN untiled (not invariant)",
+                                       lambda o: NativeRunner(o, linear_backend="onednn", batch_invariant=False)),
     "hf": EngineSpec("HF generate (static batches)", HFStaticRunner),
     "vllm": EngineSpec("vLLM", VLLMRunner, _vllm_skip),
 }

@@ -99,7 +99,7 @@ def decompose(runner: ModelRunner, batch: SchedulerOutput, steps: int) -> dict:
     times are used. Everything is restored afterwards."""
     model = runner.model
     saved_runner = {k: getattr(runner, k) for k in ("decode_kernel", "prefill_kernel")}
-    saved_model = {k: getattr(model, k) for k in ("_linear", "_silu_mul_linear", "_rope_write_kv_op", "_add_rms_norm_op")}
+    saved_model = {k: getattr(model, k) for k in ("_linears", "_rope_write_kv_op", "_add_rms_norm_op")}
     memo: dict = {}
 
     def cached(fn):  # the first output per (rows, weight): the same shapes, no matmul
@@ -114,8 +114,7 @@ def decompose(runner: ModelRunner, batch: SchedulerOutput, steps: int) -> dict:
         return None
 
     def no_projections():
-        model._linear = cached(saved_model["_linear"])
-        model._silu_mul_linear = saved_model["_silu_mul_linear"] and cached(saved_model["_silu_mul_linear"])
+        model._linears = {name: cached(fn) for name, fn in saved_model["_linears"].items()}
         model.compute_logits = cached(type(model).compute_logits.__get__(model))
 
     def no_attention():
@@ -141,7 +140,7 @@ def decompose(runner: ModelRunner, batch: SchedulerOutput, steps: int) -> dict:
             setattr(model, k, v)
         vars(model).pop("compute_logits", None)
     parts = [{"part": name, "ms_per_step": before - after} for (name, _), before, after in zip(stages[1:], times, times[1:], strict=False)]
-    silu = "" if saved_model["_silu_mul_linear"] else "SiLU·mul, "  # else fused into the gate/up matmul, counted with it
+    silu = "" if model._silu_mul_linear else "SiLU·mul, "  # else fused into the gate/up matmul, counted with it
     parts.append({"part": f"the rest: {silu}embedding, input preparation, sampling, Python", "ms_per_step": times[-1]})
     return {"step_ms": times[0], "parts": parts}
 
@@ -165,8 +164,8 @@ def main() -> int:
     model = runner.model
     model._rms_norm_op = labeled("cpp::rms_norm", model._rms_norm_op)
     if runner.linear_impl == "kernels":  # the C++ projections (else oneDNN's, a dispatcher op the profiler names)
-        model._linear = labeled("cpp::linear", model._linear)
-        model._silu_mul_linear = labeled("cpp::linear_silu_mul", model._silu_mul_linear)
+        model._linears = {name: labeled("cpp::linear_silu_mul" if name == "gate_up" else "cpp::linear", fn)
+                          for name, fn in model._linears.items()}
         model._logits_linear = labeled("cpp::linear_logits", model._logits_linear)
     runner.decode_kernel = labeled("cpp::paged_decode", runner.decode_kernel)
     runner.prefill_kernel = labeled("cpp::paged_prefill", runner.prefill_kernel)
