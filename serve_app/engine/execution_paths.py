@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from serve_app.engine.models.row_invariance import RowTiling
+
 logger = logging.getLogger(__name__)
 
 # oneDNN reads it once, when it first dispatches; AVX512_CORE_BF16 is the newest ISA below AMX
@@ -35,7 +37,7 @@ class ExecutionPaths:
     attention: str  # "cpu_kernel" | "cpu_decode" | "torch" | "triton" | "flashinfer"
     amx: bool  # oneDNN may use AMX tiles (the CPU has them and the config allows them)
     batch_invariant: bool  # the engine claims bit-identical results whatever the batch (see `claims_invariance`)
-    row_tiles: tuple[tuple[str, int], ...] = ()  # projection -> rows per call (0: untiled)
+    row_tiles: tuple[tuple[str, RowTiling], ...] = ()  # projection -> how it is called
     self_check: str = "not run"  # "passed", "not run" (CUDA, fp32), or why it failed and what replaced it
 
     @property
@@ -44,7 +46,7 @@ class ExecutionPaths:
                 "batch_invariant": str(self.batch_invariant).lower(), "self_check": self.self_check.split(":")[0]}
 
     def describe(self) -> str:
-        tiles = ", ".join(f"{name} {tile or 'all'}" for name, tile in self.row_tiles)
+        tiles = ", ".join(f"{name} {tiling}" for name, tiling in self.row_tiles)
         return (f"projections {self.linear}{' (AMX)' if self.amx and self.linear == 'onednn' else ''}, attention {self.attention}, "
                 f"batch invariant: {'yes' if self.batch_invariant else 'no'}{f' (rows per call: {tiles})' if tiles else ''}, "
                 f"self-check: {self.self_check}")

@@ -150,8 +150,8 @@ class ModelRunner:
         sum in other orders), and a cache hit must give what a fresh prefill would."""
         return not (self.batch_invariant and self.prefill_kernel is not None)
 
-    def _use_paths(self, linear: str, attention: str, kernels, invariant: bool) -> dict[str, int]:
-        """Configure the loaded model and this runner for these paths; returns the row tiles."""
+    def _use_paths(self, linear: str, attention: str, kernels, invariant: bool) -> dict:
+        """Configure the loaded model and this runner for these paths; returns each projection's row tiling."""
         tiles = self.model.configure_projections(linear, kernels, invariant, self.max_num_batched_tokens, self.max_logit_rows)
         cpu_ops = attention in ("cpu_kernel", "cpu_decode")
         if cpu_ops and self.dtype == torch.bfloat16:

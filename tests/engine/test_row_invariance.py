@@ -15,7 +15,13 @@ import torch.nn.functional as F
 from serve_app.config import ModelConfig
 from serve_app.engine import LLM, cpu_kernels
 from serve_app.engine.models.llama import _packed_fp32_logits, _packed_linear
-from serve_app.engine.models.row_invariance import Projection, invariant_tile, row_tiled, spread_inputs
+from serve_app.engine.models.row_invariance import (
+    UNTILED,
+    Projection,
+    invariant_tiling,
+    row_tiled,
+    spread_inputs,
+)
 
 KERNELS = cpu_kernels.linear_kernels([960, 576, 3072, 49152], [576, 576, 1536])
 ONEDNN = torch.ops.mkldnn._is_mkldnn_bf16_supported()
@@ -47,21 +53,22 @@ def bucketed_counts(max_rows: int) -> list[int]:
 @pytest.mark.parametrize("proj", projections())
 @pytest.mark.parametrize(("n", "k"), SHAPES)
 def test_projection_as_the_engine_calls_it_is_row_count_invariant(proj, n, k):
-    tile = invariant_tile(proj, n, k, torch.bfloat16, STEP_ROWS)
-    linear = row_tiled(proj.fn, tile)
+    tiling = invariant_tiling(proj, n, k, torch.bfloat16, STEP_ROWS)
+    linear = row_tiled(proj.fn, tiling)
     weight = proj.pack((torch.randn(n, k, generator=torch.Generator().manual_seed(n)) * 0.05).bfloat16())
     x = spread_inputs(STEP_ROWS, k, torch.bfloat16, seed=7)
     whole = linear(x, weight)
     for m in bucketed_counts(STEP_ROWS):
-        assert torch.equal(linear(x[:m], weight), whole[:m]), f"{m} rows (tile {tile})"
+        assert torch.equal(linear(x[:m], weight), whole[:m]), f"{m} rows (tiling {tiling})"
+    alone = torch.cat([linear(x[i : i + 1], weight) for i in range(64)])
+    assert torch.equal(whole[:64], alone)
 
 
 @pytest.mark.skipif(KERNELS is None, reason="needs AVX512-BF16 (the C++ bf16 kernels)")
 def test_fp32_logits_are_row_count_invariant_on_every_logits_path():
     for proj in (Projection("kernels-logits", KERNELS.logits, KERNELS.pack),
                  Projection("onednn-fp32-logits", _packed_fp32_logits, lambda w: reorder(w.float()))):
-        tile = invariant_tile(proj, 49152, 576, torch.bfloat16, 256)
-        linear = row_tiled(proj.fn, tile)
+        linear = row_tiled(proj.fn, invariant_tiling(proj, 49152, 576, torch.bfloat16, 256))
         weight = proj.pack((torch.randn(49152, 576) * 0.05).bfloat16())
         x = spread_inputs(256, 576, torch.bfloat16, seed=3)
         whole = linear(x, weight)
@@ -74,7 +81,7 @@ def test_fp32_logits_are_row_count_invariant_on_every_logits_path():
 def test_measurement_finds_onednn_row_count_dependence():
     """oneDNN's bf16 down projection (K = 1536) changes kernels with the row count, with AMX or without:
     untiled it is not invariant, so the engine calls it on tiles."""
-    assert invariant_tile(Projection("onednn", _packed_linear, reorder), 576, 1536, torch.bfloat16, STEP_ROWS) > 0
+    assert invariant_tiling(Projection("onednn", _packed_linear, reorder), 576, 1536, torch.bfloat16, STEP_ROWS) != UNTILED
 
 
 def test_self_check_failure_falls_back_and_says_why(model_dir, monkeypatch, caplog):

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from serve_app.engine.attention import AttentionMetadata, paged_attention
-from serve_app.engine.models.row_invariance import Projection, invariant_tile, row_tiled
+from serve_app.engine.models.row_invariance import UNTILED, Projection, RowTiling, invariant_tiling, row_tiled
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 
@@ -188,9 +188,9 @@ class LlamaForCausalLM(nn.Module):
         return F.rms_norm(x, (self.args.hidden_size,), weight, self.args.rms_norm_eps)
 
     def configure_projections(self, kind: str, kernels=None, invariant: bool = False, max_rows: int = 2048,
-                              max_logit_rows: int = 256) -> dict[str, int]:
+                              max_logit_rows: int = 256) -> dict[str, RowTiling]:
         """Choose how the projections run from now on (on CPU; elsewhere only "dense" exists) and put
-        their weights in that layout once. Returns the row tile of each projection (0: untiled).
+        their weights in that layout once. Returns how each projection is called (its row tiling).
 
         - "kernels" (`cpu_kernels.LinearKernels`, the C++ AVX512-BF16 kernels): their own layout, the
           gate/up halves interleaved so that SiLU·mul runs in the matmul's epilogue. Within one bf16
@@ -200,7 +200,7 @@ class LlamaForCausalLM(nn.Module):
         - "dense": torch's F.linear on the weights as loaded.
         Logits are fp32 on every path: the C++ lm_head kernel's accumulators where the kernels exist
         (whatever runs the other projections), else oneDNN's fp32 matmul over an fp32 copy of the head.
-        With `invariant`, each projection is measured (`row_invariance.invariant_tile`) up to
+        With `invariant`, each projection is measured (`row_invariance.invariant_tiling`) up to
         `max_rows` rows (`max_logit_rows` for the lm_head) and called on row tiles it is invariant at.
         """
         head = self.embed if self.lm_head is None else self.lm_head
@@ -227,15 +227,15 @@ class LlamaForCausalLM(nn.Module):
                 setattr(layer, name, nn.Parameter(projections[name].pack(getattr(layer, name).data), requires_grad=False))
         self._silu_mul_linear = kind == "kernels"
         self._lm_head_packed = logits.pack(head.data)
-        tiles = dict.fromkeys((*names, "lm_head"), 0)
+        tiles = dict.fromkeys((*names, "lm_head"), UNTILED)
         if invariant:
             a = self.args
             q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
             shapes = {"qkv": (q + 2 * kv, a.hidden_size), "o": (a.hidden_size, q), "gate_up": (2 * a.intermediate_size, a.hidden_size),
                       "down": (a.hidden_size, a.intermediate_size), "lm_head": (a.vocab_size, a.hidden_size)}
             for name in names:
-                tiles[name] = invariant_tile(projections[name], *shapes[name], self.embed.dtype, max_rows)
-            tiles["lm_head"] = invariant_tile(logits, *shapes["lm_head"], self.embed.dtype, max_logit_rows)
+                tiles[name] = invariant_tiling(projections[name], *shapes[name], self.embed.dtype, max_rows)
+            tiles["lm_head"] = invariant_tiling(logits, *shapes["lm_head"], self.embed.dtype, max_logit_rows)
         self._linears = {name: row_tiled(projections[name].fn, tiles[name]) for name in names}
         self._logits_linear = row_tiled(logits.fn, tiles["lm_head"])
         return tiles

@@ -7,10 +7,10 @@ with AMX past 32 rows; torch's fp32 matmul (MKL) already between 1 and 2 rows. T
 computed alone, in a bigger batch or after a prefix-cache hit differs by a rounding step, and near
 ties between tokens flip.
 
-`invariant_tile` measures, for one projection on this machine, the largest number of rows per call
-for which every row comes out as it does alone; `row_tiled` then never calls it with more. The
-inputs spread over 2^16 of magnitudes, so a change of summation order shows in many outputs, not
-in one of 10^4 as with unit-scale data.
+`invariant_tiling` measures, for one projection on this machine, how to call it so that every row
+comes out as it does alone: untiled, on tiles of at most N rows, or on fixed tiles padded to exactly
+N rows; `row_tiled` then calls it so. The inputs spread over 2^16 of magnitudes, so a change of
+summation order shows in many outputs, not in one of 10^4 as with unit-scale data.
 """
 
 from __future__ import annotations
@@ -19,12 +19,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 Linear = Callable[..., torch.Tensor]  # (x [M, K], *weights) -> [M, N]
-
-# Row tiles tried, largest first: every row count a step can send in one call, then smaller tiles.
-TILE_CANDIDATES = (1024, 256, 64, 32, 16, 8, 4, 2, 1)
-
 
 def spread_inputs(rows: int, cols: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
     """[rows, cols] normal values scaled by 2^-8 .. 2^8 elementwise."""
@@ -43,26 +40,53 @@ def row_counts(max_rows: int) -> list[int]:
 
 
 def first_variant_rows(fn: Linear, args: Sequence, x: torch.Tensor, counts: Sequence[int]) -> int | None:
-    """The first row count in `counts` at which `fn` gives some row other than it gives that row
-    alone; None when there is none. `x` has at least max(counts) rows. (A change of kernel shows in a
-    few outputs of a few rows only, so every row is compared.)"""
-    alone: list[torch.Tensor] = []
+    """The first row count in `counts` at which `fn` gives a row other than it gives that row alone
+    (checked for the first 64 rows, the rows any call has) or other than the largest call gives it
+    (every row); None when there is none. `x` has at least max(counts) rows. (A change of kernel shows
+    in a few outputs of a few rows only, so whole rows are compared.)"""
+    largest = fn(x[: max(counts)], *args)
+    alone = [fn(x[i : i + 1], *args) for i in range(min(64, max(counts)))]
     for m in counts:
-        alone.extend(fn(x[i : i + 1], *args) for i in range(len(alone), m))
-        if not torch.equal(fn(x[:m], *args), torch.cat(alone[:m])):
+        out = fn(x[:m], *args)
+        head = min(m, 64)
+        if not (torch.equal(out[:head], torch.cat(alone[:head])) and torch.equal(out, largest[:m])):
             return m
     return None
 
 
-def row_tiled(fn: Linear, tile: int) -> Linear:
-    """`fn` called on at most `tile` rows at a time (0: unbounded)."""
-    if tile == 0:
+@dataclass(frozen=True)
+class RowTiling:
+    """How a projection is called: on at most `rows` rows at a time (0: any number), each call
+    padded to exactly `rows` rows when `padded` (a library whose result for a row depends on the
+    call's row count but not on the row's place in it: oneDNN without AMX, from 2 rows on)."""
+
+    rows: int = 0
+    padded: bool = False
+
+    def __str__(self) -> str:
+        return "all" if self.rows == 0 else f"{self.rows}{' padded' if self.padded else ''}"
+
+
+UNTILED = RowTiling()
+# tried in this order after UNTILED: large tiles, then fixed padded tiles (a padded call costs up to
+# `rows` rows of compute, little where a small call is bound by reading the weight), then small tiles
+TILINGS = (*(RowTiling(n) for n in (1024, 256, 64, 32, 16)), *(RowTiling(n, True) for n in (32, 16, 8)),
+           *(RowTiling(n) for n in (8, 4, 2, 1)))
+
+
+def row_tiled(fn: Linear, tiling: RowTiling) -> Linear:
+    """`fn` called as `tiling` says."""
+    rows = tiling.rows
+    if rows == 0:
         return fn
 
     def tiled(x: torch.Tensor, *args) -> torch.Tensor:
-        if x.shape[0] <= tile:
-            return fn(x, *args)
-        return torch.cat([fn(x[i : i + tile], *args) for i in range(0, x.shape[0], tile)])
+        n = x.shape[0]
+        if tiling.padded and n % rows:
+            x = F.pad(x, (0, 0, 0, rows - n % rows))
+        if x.shape[0] <= rows:
+            return fn(x, *args)[:n]
+        return torch.cat([fn(x[i : i + rows], *args) for i in range(0, x.shape[0], rows)])[:n]
 
     return tiled
 
@@ -77,28 +101,22 @@ class Projection:
     pack: Callable[[torch.Tensor], torch.Tensor]
 
 
-# measured tiles per (implementation, out_features, in_features, dtype, max_rows): a process builds
-# many engines over the same shapes (tests, a draft model), and measuring takes a second or two
-_MEASURED: dict[tuple, int] = {}
+# measured tilings per (implementation, out_features, in_features, dtype, max_rows): a process builds
+# many engines over the same shapes (tests, a draft model), and measuring takes a second or more
+_MEASURED: dict[tuple, RowTiling] = {}
 
 
-def invariant_tile(proj: Projection, out_features: int, in_features: int, dtype: torch.dtype, max_rows: int) -> int:
-    """The largest row tile (0: no tiling needed up to `max_rows`) for which `row_tiled(proj.fn, tile)`
-    is row-count invariant on this machine, measured on spread weights of this shape; 1 always is
-    (every row alone)."""
+def invariant_tiling(proj: Projection, out_features: int, in_features: int, dtype: torch.dtype, max_rows: int) -> RowTiling:
+    """The first tiling (UNTILED, then `TILINGS` in order) at which `row_tiled(proj.fn, tiling)` is
+    row-count invariant up to `max_rows` rows on this machine, measured on spread weights of this
+    shape; single rows always are."""
     key = (proj.key, out_features, in_features, dtype, max_rows)
     if key not in _MEASURED:
         # (a large weight repeats a block of 1024 rows: the kernel's choice depends on the shape alone)
         block = spread_inputs(min(out_features, 1024), in_features, dtype, seed=out_features) / 16
         weight = proj.pack(block.repeat(-(-out_features // block.shape[0]), 1)[:out_features].contiguous())
-        _MEASURED[key] = _measure(proj.fn, (weight,), spread_inputs(max_rows, in_features, dtype, seed=in_features), max_rows)
+        x = spread_inputs(max_rows, in_features, dtype, seed=in_features)
+        _MEASURED[key] = next((t for t in (UNTILED, *TILINGS) if t.rows < max_rows and first_variant_rows(
+            row_tiled(proj.fn, t), (weight,), x, row_counts(max_rows if t.rows == 0 else min(max_rows, 4 * t.rows))) is None),
+            RowTiling(1))
     return _MEASURED[key]
-
-
-def _measure(fn: Linear, args: Sequence, x: torch.Tensor, max_rows: int) -> int:
-    if first_variant_rows(fn, args, x, row_counts(max_rows)) is None:
-        return 0
-    for tile in TILE_CANDIDATES:
-        if tile < max_rows and (tile == 1 or first_variant_rows(row_tiled(fn, tile), args, x, row_counts(min(max_rows, 4 * tile))) is None):
-            return tile
-    return 1
