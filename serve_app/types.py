@@ -230,6 +230,9 @@ class RequestOutput:
     metrics: RequestMetrics
     prompt_token_ids: tuple[int, ...] = ()
     logprobs: tuple[TokenLogprob, ...] | None = None  # one per token of `token_ids` when requested
+    # set (with finish_reason ABORT) when one of the request's stages failed: the request alone was
+    # aborted; `AsyncLLMEngine` raises it on the request's stream as `RequestFailedError`
+    error: RequestFailedError | None = None
 
     @classmethod
     def admitted(cls, request_id: str, prompt_token_ids: list[int], arrival_time: float) -> RequestOutput:
