@@ -187,3 +187,22 @@ def test_openapi_schema_only_behind_the_switch():
             assert (await c.get("/docs")).status_code == 200
 
     asyncio.run(main())
+
+
+def test_fuzz_properties_catch_what_they_must():
+    from httpx import Headers
+
+    from tests.serving.api_fuzz import check_response
+
+    json_headers = Headers({"content-type": "application/json"})
+    error = b'{"error": {"message": "m", "type": "invalid_request_error", "param": null, "code": null}}'
+    assert check_response(400, json_headers, error) is None
+    assert check_response(503, Headers({"retry-after": "1"}), error) is None
+    assert check_response(503, json_headers, error) == "503 without Retry-After"
+    assert check_response(500, json_headers, error).startswith("500")
+    assert check_response(502, json_headers, b"Bad Gateway").startswith("502 without")
+    assert check_response(422, json_headers, b'{"detail": []}').startswith("422 without an OpenAI")
+    sse = Headers({"content-type": "text/event-stream"})
+    assert check_response(200, sse, b'data: {"choices": []}\n\ndata: [DONE]\n\n') is None
+    assert check_response(200, sse, b'data: {"choices": []}\n\n') is not None
+    assert check_response(200, sse, b'data: {"error": {"code": "engine_error"}}\n\ndata: [DONE]\n\n') is not None
