@@ -310,6 +310,7 @@ class ServeConfig:
     # robustness (docs/failure-handling.md)
     max_stream_buffer_tokens: int = 65536  # tokens (+ logprob alternatives) one stream may hold for a slow reader
     openapi_docs: bool = False  # serve /openapi.json and /docs (the API's schema, e.g. for fuzzers)
+    exit_on_engine_death: bool = True  # a replica whose engine died exits at once (leaves the routing; Serve replaces it)
     fault_hook_factory: str = ""  # tests only: "module:callable" making a serve_app.engine.faults.FaultHook
 
     def __post_init__(self) -> None:
@@ -350,6 +351,7 @@ class ServeConfig:
         _require(isinstance(self.max_stream_buffer_tokens, int) and self.max_stream_buffer_tokens >= 1024,
                  "max_stream_buffer_tokens", "must be an integer >= 1024")
         _require(isinstance(self.openapi_docs, bool), "openapi_docs", "must be true or false")
+        _require(isinstance(self.exit_on_engine_death, bool), "exit_on_engine_death", "must be true or false")
         if self.request_router_class:
             _require("." in self.request_router_class or ":" in self.request_router_class, "request_router_class", "expected an import path")
         from serve_app.serving.routing_policy import ROUTER_CLASSES, KVRouterSettings  # no Ray import

@@ -142,7 +142,8 @@ class LLMServer:
         # multiplexed streams, per ingress
         self._senders = ChannelSenders(config.stream_batch_interval_s, ray.get_runtime_context().get_node_id())
         self._drain_task = asyncio.get_running_loop().create_task(self._drain_on_shutdown())
-        self._watch = EngineWatch.under_serve(self.backend.check_health)  # None outside Serve (in-process tests)
+        # None outside Serve (in-process tests), or when switched off (then only the health check acts)
+        self._watch = EngineWatch.under_serve(self.backend.check_health) if config.exit_on_engine_death else None
         logger.info("LLMServer replica ready: model %s, context %d tokens, torch threads %s",
                     self._info.name, self._info.max_model_len, threads or "n/a")
 

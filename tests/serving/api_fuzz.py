@@ -6,7 +6,8 @@ strings, oversized lists) or break it (wrong types, unknown fields, any JSON), r
 JSON, deep nesting, numbers past every range, invalid UTF-8, a non-JSON content type), and GETs and
 odd methods on known and unknown routes.
 
-Properties, per response: a 2xx (a streamed one parses and ends with `[DONE]`, with no server-side
+Properties, per response: a body within every documented bound is served (200, or 503 with Retry-After
+under overload); otherwise a 2xx (a streamed one parses and ends with `[DONE]`, with no server-side
 error event), a 4xx with an OpenAI error body, or a 503 with Retry-After; never another 5xx, never a
 dropped connection. Around a run (`FuzzRun`): a canary stream, restarted back to back while the
 fuzzer runs, always finishes intact; the replicas are the same ones afterwards (none restarted); the
@@ -49,6 +50,59 @@ def mostly(valid: st.SearchStrategy) -> st.SearchStrategy:
     return st.one_of(valid, valid, valid, ANY_JSON)
 
 
+# ---- bodies the server must accept: every field within its documented bound, edges included ----
+VALID_TEXT = st.text(max_size=60) | st.sampled_from(SPECIAL_TEXT[:-2] + ["é" * 50])
+STOP = st.text(min_size=1, max_size=8) | st.sampled_from(["\n", "<|im_end|>", "x" * 256])
+VALID_SAMPLING = {
+    "n": st.integers(1, 2),
+    "temperature": st.floats(0, 2) | st.sampled_from([0.0, 2.0, 5e-324, 1e-300]),
+    "top_p": st.floats(1e-6, 1) | st.sampled_from([1.0, 5e-324]),
+    "top_k": st.integers(-1, 100) | st.sampled_from([49151, 49152, 2**31, 2**63 - 1, 2**63, 10**30]),
+    "seed": st.integers(-(2**63), 2**63 - 1) | st.sampled_from([0, -(2**63), 2**63 - 1]),
+    "presence_penalty": st.floats(-2, 2),
+    "frequency_penalty": st.floats(-2, 2),
+    "repetition_penalty": st.floats(1e-3, 2) | st.sampled_from([2.0, 5e-324]),
+    "min_tokens": st.integers(0, 1),
+    "stop": STOP | st.lists(STOP, max_size=16),
+    "stop_token_ids": st.lists(st.integers(0, 49151), max_size=8),
+    "logit_bias": st.just({}),
+    "user": st.text(max_size=256),
+    "ignore_eos": st.booleans(),
+    "metadata": st.dictionaries(st.text(max_size=16), st.text(max_size=64), max_size=16),
+    "speculative": st.booleans(),
+}
+VALID_MESSAGE = st.fixed_dictionaries(
+    {"role": st.sampled_from(["user", "system", "assistant", "developer"]),
+     "content": VALID_TEXT | st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": VALID_TEXT}), min_size=1, max_size=3)},
+    optional={"name": st.text(max_size=16)})
+VALID_PROMPT = (VALID_TEXT.filter(bool) | st.lists(st.integers(0, 49151), min_size=1, max_size=8)
+                | st.lists(VALID_TEXT.filter(bool), min_size=1, max_size=3)
+                | st.lists(st.lists(st.integers(0, 49151), min_size=1, max_size=6), min_size=1, max_size=2))
+
+
+def _with_stream(body: dict, stream: bool, usage: bool) -> dict:
+    body = {**body, "stream": stream}
+    if stream and usage:
+        body["stream_options"] = {"include_usage": True}
+    return body
+
+
+def valid_chat_bodies(model: str) -> st.SearchStrategy:
+    body = st.fixed_dictionaries({"model": st.just(model), "messages": st.lists(VALID_MESSAGE, min_size=1, max_size=4),
+                                  "max_tokens": st.integers(1, 8)},
+                                 optional={**VALID_SAMPLING, "logprobs": st.just(True), "top_logprobs": st.integers(0, 20),
+                                           "response_format": st.just({"type": "text"}), "tool_choice": st.just("none")})
+    body = body.map(lambda b: b if "top_logprobs" not in b or b.get("logprobs") else {**b, "logprobs": True})
+    return st.builds(_with_stream, body, st.booleans(), st.booleans())
+
+
+def valid_completion_bodies(model: str) -> st.SearchStrategy:
+    body = st.fixed_dictionaries({"model": st.just(model), "prompt": VALID_PROMPT, "max_tokens": st.integers(1, 8)},
+                                 optional={**VALID_SAMPLING, "logprobs": st.integers(0, 20)})
+    return st.builds(_with_stream, body, st.booleans(), st.booleans())
+
+
+# ---- bodies with one or two fields broken: wrong types, past a bound, unknown, missing ----
 SAMPLING = {
     "n": mostly(st.integers(1, 3) | st.sampled_from([0, 9, 2**63])),
     "temperature": mostly(FLOATS),
@@ -111,11 +165,41 @@ class Case:
     path: str
     body: Any = None  # a JSON-able object, or raw bytes
     headers: tuple[tuple[str, str], ...] = ()
+    valid: bool = False  # every field within its bound: the server must serve it (200, or 503 when overloaded)
+
+
+def _break(body: dict, edits: list[tuple[str, Any]]) -> dict:
+    body = dict(body)
+    for key, value in edits:
+        if value is _MISSING:
+            body.pop(key, None)
+        else:
+            body[key] = value
+    return body
+
+
+_MISSING = object()
+
+
+def broken(valid: st.SearchStrategy, fields: dict[str, st.SearchStrategy]) -> st.SearchStrategy:
+    """A valid body with one or two fields replaced by a drawing of `fields` (edge or invalid values,
+    any JSON), or removed."""
+    edit = st.sampled_from(sorted(fields)).flatmap(lambda k: st.tuples(st.just(k), fields[k] | st.just(_MISSING)))
+    return st.builds(_break, valid, st.lists(edit, min_size=1, max_size=2))
 
 
 def cases(model: str) -> st.SearchStrategy:
-    chat = chat_bodies(model).map(lambda b: Case("chat", "POST", "/v1/chat/completions", b))
-    completion = completion_bodies(model).map(lambda b: Case("completion", "POST", "/v1/completions", b))
+    chat_fields = {**SAMPLING, "model": mostly(TEXT), "messages": mostly(st.lists(MESSAGE, max_size=4)), "max_tokens": mostly(INTS),
+                   "max_completion_tokens": mostly(INTS), "logprobs": ANY_JSON, "top_logprobs": mostly(INTS), "tools": ANY_JSON,
+                   "response_format": ANY_JSON}
+    completion_fields = {**SAMPLING, "model": mostly(TEXT), "prompt": mostly(TEXT | st.lists(INTS, max_size=8)), "max_tokens": mostly(INTS),
+                         "logprobs": mostly(INTS), "echo": ANY_JSON, "best_of": mostly(INTS), "suffix": mostly(TEXT)}
+    chat = st.one_of(valid_chat_bodies(model).map(lambda b: Case("chat", "POST", "/v1/chat/completions", b, valid=True)),
+                     st.one_of(broken(valid_chat_bodies(model), chat_fields), chat_bodies(model)).map(
+                         lambda b: Case("chat", "POST", "/v1/chat/completions", b)))
+    completion = st.one_of(valid_completion_bodies(model).map(lambda b: Case("completion", "POST", "/v1/completions", b, valid=True)),
+                           st.one_of(broken(valid_completion_bodies(model), completion_fields), completion_bodies(model)).map(
+                               lambda b: Case("completion", "POST", "/v1/completions", b)))
     raw = st.tuples(st.sampled_from(RAW_BODIES), st.sampled_from(["/v1/chat/completions", "/v1/completions"]),
                     st.sampled_from(["application/json", "text/plain", "application/x-www-form-urlencoded"])).map(
         lambda t: Case("raw", "POST", t[1], t[0], (("content-type", t[2]),)))
@@ -246,7 +330,9 @@ def fuzz(base_url: str, model: str, max_examples: int, seed: int | None = 0, tim
         @given(case=cases(model))
         def run(case: Case) -> None:
             status, failure = send(client, case)
-            result.tried[case.kind] += 1
+            if failure is None and case.valid and status not in (200, 503):
+                failure = f"a body within every bound was refused with {status}"
+            result.tried[case.kind + (" (valid)" if case.valid else "")] += 1
             result.statuses[status] += 1
             if failure is not None:
                 body = case.body if not isinstance(case.body, bytes) else case.body[:200].decode("latin-1")

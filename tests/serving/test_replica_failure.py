@@ -2,7 +2,8 @@
 - kill one replica's actor: the other replica's requests finish, the killed replica's requests end
   with an error event (no hang), Serve brings a new replica up, and new requests succeed;
 - kill one replica's *engine loop* (injected through the stat-logger hook): its requests fail with
-  an engine error, its `check_health` fails so Serve replaces it, the other replica keeps serving;
+  an engine error, the replica leaves the routing at once (requests sent right after the death all
+  succeed on the other replica), Serve replaces it, the other replica keeps serving;
 - hang one replica's engine step (thread alive, no step finishes): its health check fails after
   `engine_stall_timeout_s`, Serve replaces it, its clients get an error, the other keeps serving.
 Each with and without stream multiplexing (there the deltas travel apart from the failing call)."""
@@ -182,6 +183,12 @@ def test_engine_death_fails_health_check_and_replica_is_replaced(app):
     trigger = Path(os.environ[FAULT_FILE_ENV])
     trigger.write_text(victim)  # the replica id: its engine loop dies at its next step
     try:
+        # the dead replica leaves the routing at once: requests sent right after the death (while
+        # the failed streams end) are served by the survivor, none answered 500 by the dead one
+        with httpx.Client(base_url=app.base_url, timeout=60) as c:
+            for _ in range(6):
+                r = c.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 2})
+                assert r.status_code == 200, r.text
         thread.join(timeout=180)
         assert not thread.is_alive(), "requests hung after the engine died"
         results = holder["results"]
