@@ -97,6 +97,33 @@ def running_per_replica() -> dict[str, int]:
     return {name: s["num_running"] + s["num_waiting"] for name, s in stats.items()}
 
 
+def replaced(victim: str) -> bool:
+    """Serve runs 2 replicas again, the victim not among them."""
+    from ray import serve
+
+    names = set(serve_replicas(APP))
+    status = serve.status().applications[APP].deployments["LLMServer"]
+    return victim not in names and len(names) == 2 and status.replica_states.get("RUNNING", 0) == 2
+
+
+async def drive(base_url: str, opts: argparse.Namespace, records: list[dict]) -> tuple[dict[str, int], str, float, float | None]:
+    """The load, the death after the warm-up, and the wait for the replacement."""
+    stop_at = time.monotonic() + opts.warmup_s + opts.after_s
+    tasks = [asyncio.create_task(client_loop(i, base_url, stop_at, records, opts.max_tokens)) for i in range(opts.streams)]
+    await asyncio.sleep(opts.warmup_s)
+    placed = await asyncio.to_thread(running_per_replica)
+    victim = max(sorted(placed), key=lambda name: placed[name])
+    death = time.monotonic()
+    FAULT_FILE.write_text(victim)  # its engine loop dies at its next step
+    replaced_at = None
+    while replaced_at is None and time.monotonic() < stop_at + 120:
+        if await asyncio.to_thread(replaced, victim):
+            replaced_at = time.monotonic()
+        await asyncio.sleep(0.5)
+    await asyncio.gather(*tasks)
+    return placed, victim, death, replaced_at
+
+
 def run_mode(mode: str, opts: argparse.Namespace) -> dict[str, Any]:
     from ray import serve
 
@@ -109,28 +136,7 @@ def run_mode(mode: str, opts: argparse.Namespace) -> dict[str, Any]:
     records: list[dict] = []
     try:
         before = set(serve_replicas(APP))
-        loop = asyncio.new_event_loop()
-        start = time.monotonic()
-        stop_at = start + opts.warmup_s + opts.after_s
-        tasks = [loop.create_task(client_loop(i, base_url, stop_at, records, opts.max_tokens)) for i in range(opts.streams)]
-        loop.run_until_complete(asyncio.sleep(opts.warmup_s))
-        placed = running_per_replica()
-        victim = max(sorted(placed), key=lambda name: placed[name])
-        death = time.monotonic()
-        FAULT_FILE.write_text(victim)  # its engine loop dies at its next step
-        replaced_at = None
-
-        async def watch_replacement() -> None:
-            nonlocal replaced_at
-            while time.monotonic() < stop_at and replaced_at is None:
-                names = set(serve_replicas(APP))
-                status = serve.status().applications[APP].deployments["LLMServer"]
-                if victim not in names and len(names) == 2 and status.replica_states.get("RUNNING", 0) == 2:
-                    replaced_at = time.monotonic()
-                await asyncio.sleep(0.5)
-
-        loop.run_until_complete(asyncio.gather(watch_replacement(), *tasks))
-        loop.close()
+        placed, victim, death, replaced_at = asyncio.run(drive(base_url, opts, records))
     finally:
         FAULT_FILE.unlink(missing_ok=True)
         with contextlib.suppress(Exception):
