@@ -262,6 +262,11 @@ class ServeConfig:
     `serving.routing_policy.KVRouterSettings`); `request_router_class` plugs in any other router.
     The ingress tokenizes prompts (`tokenize_in_ingress`) so that routers hash the engine's blocks;
     `prefix_cache_salt: api_key` gives each API key (bearer token) its own prefix-cache namespace.
+    Robustness (docs/failure-handling.md): a stream's chunks waiting for a slow reader are bounded by
+    `max_stream_buffer_tokens` (beyond it the stream ends with an error and its work is cancelled);
+    `exit_on_engine_death` makes a replica whose engine died exit at once, so routers drop it and the
+    retry of a request that has not started goes elsewhere; `openapi_docs` serves /openapi.json and
+    /docs; `fault_hook_factory` (tests only) installs a `serve_app.engine.faults.FaultHook`.
     Autoscaling: `autoscaling` (Serve's names: `min_replicas`, `max_replicas`,
     `target_ongoing_requests`, `upscale_delay_s`, ...; see `serving.autoscaling.AutoscalingSettings`)
     makes Serve scale LLMServer on load instead of running a fixed `num_replicas` (leave that unset).
