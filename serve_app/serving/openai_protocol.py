@@ -84,7 +84,7 @@ class _SamplingFields(_Request):
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = Field(default=None, max_length=MAX_STOP_STRINGS)  # each string: SamplingParams
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None  # each string: SamplingParams
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None  # extension

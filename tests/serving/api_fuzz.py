@@ -243,6 +243,15 @@ def check_response(status: int, headers: httpx.Headers, body: bytes) -> str | No
     return f"{status}: {payload['error']}"
 
 
+def _error_message(body: bytes) -> str:
+    with_error = {}
+    try:
+        with_error = json.loads(body)
+    except ValueError:
+        pass
+    return with_error.get("error", {}).get("message", "") if isinstance(with_error, dict) else ""
+
+
 def send(client: httpx.Client, case: Case) -> tuple[int | None, str | None]:
     """(status, failure) of one case."""
     headers = dict(case.headers)
@@ -256,7 +265,10 @@ def send(client: httpx.Client, case: Case) -> tuple[int | None, str | None]:
     try:
         with client.stream(case.method, case.path, content=content, headers=headers) as r:
             body = r.read()
-            return r.status_code, check_response(r.status_code, r.headers, body)
+            failure = check_response(r.status_code, r.headers, body)
+            if failure is None and case.valid and r.status_code not in (200, 503):
+                failure = f"a body within every bound was refused with {r.status_code}: {_error_message(body)}"
+            return r.status_code, failure
     except (httpx.TransportError, UnicodeDecodeError, ValueError) as exc:
         return None, f"{type(exc).__name__}: {exc}"
 
@@ -330,14 +342,12 @@ def fuzz(base_url: str, model: str, max_examples: int, seed: int | None = 0, tim
         @given(case=cases(model))
         def run(case: Case) -> None:
             status, failure = send(client, case)
-            if failure is None and case.valid and status not in (200, 503):
-                failure = f"a body within every bound was refused with {status}"
             result.tried[case.kind + (" (valid)" if case.valid else "")] += 1
             result.statuses[status] += 1
             if failure is not None:
                 body = case.body if not isinstance(case.body, bytes) else case.body[:200].decode("latin-1")
                 result.failures.append({"kind": case.kind, "path": case.path[:200], "status": status, "failure": failure[:500],
-                                        "body": json.dumps(body, default=str)[:500]})
+                                        "body": json.dumps(body, default=str)[:4000]})
 
         run()
     return result

@@ -4,6 +4,7 @@ fit the context) are applied by the engine's `InputProcessor`, which both backen
 
 from __future__ import annotations
 
+import json
 import math
 import time
 
@@ -115,3 +116,32 @@ def test_text_that_cannot_fit_is_rejected_before_tokenizing(input_processor):
             input_processor.process(request)
         assert time.perf_counter() - start < 0.1  # tokenizing it would take seconds
         assert str(info.value).split(":")[0] in ("prompt", "messages")
+
+
+def test_one_long_stop_string_is_not_a_list_of_too_many():
+    assert param_error(chat(stop="x" * 200)) == (None, "")
+
+
+def test_every_body_within_the_documented_bounds_is_accepted(input_processor):
+    """The fuzzer's valid bodies (tests/serving/api_fuzz.py), without a server: the API models and the
+    engine's InputProcessor accept every one (each refusal would be a bound stricter than documented)."""
+    from hypothesis import HealthCheck, Phase, given, settings
+    from hypothesis import strategies as st
+
+    from tests.serving.api_fuzz import valid_chat_bodies, valid_completion_bodies
+
+    @settings(max_examples=300, deadline=None, database=None, phases=[Phase.generate], suppress_health_check=list(HealthCheck))
+    @given(st.one_of(valid_chat_bodies("m").map(lambda b: (ChatCompletionRequest, b)),
+                     valid_completion_bodies("m").map(lambda b: (CompletionRequest, b))))
+    def accepted(kind_body):
+        kind, body = kind_body
+        req = kind.model_validate(json.loads(json.dumps(body)))  # as it arrives: through JSON
+        req.validate_supported(8)
+        prompts = [None] if kind is ChatCompletionRequest else req.prompts()
+        for prompt in prompts:
+            for j in range(req.n):
+                request = (GenerateRequest("r", messages=req.engine_messages(), sampling_params=req.sampling_params(j))
+                           if prompt is None else GenerateRequest("r", prompt=prompt, sampling_params=req.sampling_params(j)))
+                input_processor.process(request)
+
+    accepted()
