@@ -266,7 +266,7 @@ class ServeConfig:
     `max_stream_buffer_tokens` (beyond it the stream ends with an error and its work is cancelled);
     `exit_on_engine_death` makes a replica whose engine died exit at once, so routers drop it and the
     retry of a request that has not started goes elsewhere; `openapi_docs` serves /openapi.json and
-    /docs; `fault_hook_factory` (tests only) installs a `serve_app.engine.faults.FaultHook`.
+    /docs; `fault_hook_factory` (tests only) installs a `serve_app.faults.FaultHook`.
     Autoscaling: `autoscaling` (Serve's names: `min_replicas`, `max_replicas`,
     `target_ongoing_requests`, `upscale_delay_s`, ...; see `serving.autoscaling.AutoscalingSettings`)
     makes Serve scale LLMServer on load instead of running a fixed `num_replicas` (leave that unset).
@@ -316,7 +316,7 @@ class ServeConfig:
     max_stream_buffer_tokens: int = 65536  # tokens (+ logprob alternatives) one stream may hold for a slow reader
     openapi_docs: bool = False  # serve /openapi.json and /docs (the API's schema, e.g. for fuzzers)
     exit_on_engine_death: bool = True  # a replica whose engine died exits at once (leaves the routing; Serve replaces it)
-    fault_hook_factory: str = ""  # tests only: "module:callable" making a serve_app.engine.faults.FaultHook
+    fault_hook_factory: str = ""  # tests only: "module:callable" making a serve_app.faults.FaultHook
 
     def __post_init__(self) -> None:
         engine = self.engine.items() if isinstance(self.engine, dict) else self.engine

@@ -17,7 +17,7 @@ from serve_app.config import ServeConfig
 
 def make_backend(config: ServeConfig, stat_loggers: Sequence[Any] = (), fault_hook: Any = None) -> Backend:
     """The backend named by `config.backend` (not started yet). `fault_hook` (tests only,
-    serve_app/engine/faults.py) reaches the native engine's per-request stages."""
+    serve_app/faults.py) reaches the native engine's per-request stages."""
     if config.backend == "native":
         from serve_app.backends.native import NativeBackend
 

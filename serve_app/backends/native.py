@@ -33,7 +33,7 @@ class NativeBackend(Backend):
         self.engine_config = engine_config
         self.model_name = model_name or engine_config.model.name
         self.stat_loggers = tuple(stat_loggers)
-        self.fault_hook = fault_hook  # tests only (serve_app/engine/faults.py)
+        self.fault_hook = fault_hook  # tests only (serve_app/faults.py)
         self._engine: AsyncLLMEngine | None = None
         self._engine_dead_error: type[Exception] = BackendDeadError
         self._closed = False

@@ -34,9 +34,9 @@ from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 
 from serve_app.config import EngineConfig
-from serve_app.engine.faults import FaultHook, Stage
 from serve_app.engine.llm_engine import LLMEngine, StatLogger
 from serve_app.engine.request import Request
+from serve_app.faults import FaultHook, Stage
 from serve_app.metrics.stats import EngineLoad
 from serve_app.types import GenerateRequest, RequestFailedError, RequestOutput
 

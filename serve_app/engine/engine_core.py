@@ -13,7 +13,6 @@ from dataclasses import replace
 
 from serve_app.config import EngineConfig
 from serve_app.engine.block_manager import BlockManager
-from serve_app.engine.faults import Stage
 from serve_app.engine.kv_events import KVEventLog
 from serve_app.engine.model_runner import ModelRunner
 from serve_app.engine.outputs import EngineCoreOutput, EngineCoreOutputs
@@ -22,6 +21,7 @@ from serve_app.engine.scheduler import Scheduler
 from serve_app.engine.spec_decode.draft import DraftProposer
 from serve_app.engine.spec_decode.speculator import Speculator
 from serve_app.engine.step_cost import StepCostFit
+from serve_app.faults import Stage
 from serve_app.types import FinishReason, RequestFailedError
 
 

@@ -5,7 +5,7 @@ background thread). Not thread-safe.
 
 A failure belongs to its request: if admitting, sampling or detokenizing one request raises, that
 request is aborted (its blocks freed) and its last `RequestOutput` carries the `RequestFailedError`;
-the step's other requests go on. `fault_hook` (tests only, engine/faults.py) injects such failures.
+the step's other requests go on. `fault_hook` (tests only, serve_app/faults.py) injects such failures.
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ from typing import Protocol
 
 from serve_app.config import EngineConfig
 from serve_app.engine.engine_core import EngineCore
-from serve_app.engine.faults import FaultHook, Stage
 from serve_app.engine.input_processor import InputProcessor
 from serve_app.engine.output_processor import OutputProcessor
 from serve_app.engine.outputs import EngineCoreOutput
 from serve_app.engine.request import Request
+from serve_app.faults import FaultHook, Stage
 from serve_app.metrics.stats import EngineLoad, SchedulerStats
 from serve_app.types import FinishReason, GenerateRequest, RequestFailedError, RequestMetrics, RequestOutput
 

@@ -21,7 +21,6 @@ from serve_app.config import CacheConfig, ModelConfig, SchedulerConfig
 from serve_app.engine import cpu_kernels
 from serve_app.engine.attention import AttentionMetadata, KernelChunks, PrefillChunk
 from serve_app.engine.attention_backends import make_varlen_attention, resolve_backend
-from serve_app.engine.faults import FaultHook, Stage
 from serve_app.engine.host_memory import zeroed_cpu_tensors
 from serve_app.engine.input_batch import InputBatch
 from serve_app.engine.logprobs import sampled_logprobs
@@ -33,6 +32,7 @@ from serve_app.engine.penalties import process_logits
 from serve_app.engine.sampler import sample, sampling_probs
 from serve_app.engine.spec_decode.acceptance import accept
 from serve_app.engine.spec_decode.rejection import rejection_sample
+from serve_app.faults import FaultHook, Stage
 
 logger = logging.getLogger(__name__)
 
@@ -239,7 +239,7 @@ class ModelRunner:
         picked = computed if len(rows) == computed.shape[0] else computed[self._tensor(rows)]
         return samplers, picked if hidden is None else self.model.compute_logits(picked)
 
-    fault_hook: FaultHook | None = None  # tests only (engine/faults.py), installed by LLMEngine
+    fault_hook: FaultHook | None = None  # tests only (serve_app/faults.py), installed by LLMEngine
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

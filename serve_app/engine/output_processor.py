@@ -17,9 +17,9 @@ from dataclasses import dataclass, field, replace
 from tokenizers import Tokenizer
 
 from serve_app.engine.detokenizer import IncrementalDetokenizer
-from serve_app.engine.faults import FaultHook, Stage
 from serve_app.engine.logprobs import SampledLogprobs
 from serve_app.engine.outputs import EngineCoreOutput
+from serve_app.faults import FaultHook, Stage
 from serve_app.types import (
     FinishReason,
     RequestMetrics,
@@ -55,7 +55,7 @@ class OutputProcessor:
     def __init__(self, tokenizer: Tokenizer | None, fault_hook: FaultHook | None = None) -> None:
         self._tokenizer = tokenizer
         self._states: dict[str, _RequestState] = {}
-        self._fault_hook = fault_hook  # tests only (engine/faults.py)
+        self._fault_hook = fault_hook  # tests only (serve_app/faults.py)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival_time: float) -> None:
         detok = IncrementalDetokenizer(self._tokenizer, params) if self._tokenizer is not None else None

@@ -49,7 +49,7 @@ from ray import serve
 from serve_app.backends import Backend, BackendDeadError, ModelInfo, make_backend
 from serve_app.block_hash import prompt_block_keys
 from serve_app.config import ServeConfig
-from serve_app.engine.faults import Stage
+from serve_app.faults import Stage
 from serve_app.metrics.loggers import RayStatLogger
 from serve_app.serving.delta_channel import ChannelAddress
 from serve_app.serving.drain import shutdown_probe
@@ -130,7 +130,7 @@ class LLMServer:
         stat_loggers = [RayStatLogger(config.model_name)]
         stat_loggers += [import_attr(path)(config) for path in config.stat_logger_factories]
         self._stat_loggers = stat_loggers
-        # tests only: per-request fault injection (serve_app/engine/faults.py)
+        # tests only: per-request fault injection (serve_app/faults.py)
         self._faults = import_attr(config.fault_hook_factory)(config) if config.fault_hook_factory else None
         self.backend: Backend = make_backend(config, stat_loggers, self._faults)
         await self.backend.start()

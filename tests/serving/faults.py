@@ -46,7 +46,7 @@ def make_fault_logger(config) -> EngineKiller:
     return EngineKiller(replica_id, Path(os.environ[FAULT_FILE_ENV]))
 
 
-# ---- per-request faults (serve_app/engine/faults.py) --------------------------------------------------
+# ---- per-request faults (serve_app/faults.py) --------------------------------------------------
 # A request whose `user` is "inject-fault:<stage>:<n>" fails at <stage> once it has passed it n times
 # (sample / detokenize / stream: n tokens or deltas in, so n > 0 is a fault mid-stream).
 FAULT_USER_PREFIX = "inject-fault:"
