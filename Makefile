@@ -206,3 +206,18 @@ BENCH_SPEC_ARGS ?=
 .PHONY: bench-spec
 bench-spec: install model
 	$(PY) loadtest/bench_spec.py $(BENCH_SPEC_ARGS)
+
+# ---- robustness -------------------------------------------------------------------------------------
+# The API fuzzer's long run (tests/serving/api_fuzz.py): a private Ray + app on 127.0.0.1, FUZZ_EXAMPLES
+# hypothesis cases (valid-schema and broken bodies for every route) beside a canary stream → reports/api_fuzz.{json,md}
+# with cases tried and failures found (≈ 2 min per 2,000 cases on 2 quiet cores). `make test` runs a short pass.
+FUZZ_EXAMPLES ?= 3000
+FUZZ_SEED ?= 1
+.PHONY: fuzz bench-engine-death
+fuzz: install model
+	$(PY) -m tests.serving.api_fuzz --examples $(FUZZ_EXAMPLES) --seed $(FUZZ_SEED) --out reports/api_fuzz
+
+# An engine dies under steady load (8 streams, 2 replicas): how many requests fail, and how many of those
+# started after the death → reports/engine_death.{json,md} (≈ 2 min).
+bench-engine-death: install model
+	$(PY) loadtest/bench_engine_death.py

@@ -273,6 +273,11 @@ class ServeConfig:
     `serving.routing_policy.KVRouterSettings`); `request_router_class` plugs in any other router.
     The ingress tokenizes prompts (`tokenize_in_ingress`) so that routers hash the engine's blocks;
     `prefix_cache_salt: api_key` gives each API key (bearer token) its own prefix-cache namespace.
+    Robustness (docs/failure-handling.md): a stream's chunks waiting for a slow reader are bounded by
+    `max_stream_buffer_tokens` (beyond it the stream ends with an error and its work is cancelled);
+    `exit_on_engine_death` makes a replica whose engine died exit at once, so routers drop it and the
+    retry of a request that has not started goes elsewhere; `openapi_docs` serves /openapi.json and
+    /docs; `fault_hook_factory` (tests only) installs a `serve_app.faults.FaultHook`.
     Autoscaling: `autoscaling` (Serve's names: `min_replicas`, `max_replicas`,
     `target_ongoing_requests`, `upscale_delay_s`, ...; see `serving.autoscaling.AutoscalingSettings`)
     makes Serve scale LLMServer on load instead of running a fixed `num_replicas` (leave that unset).
@@ -318,6 +323,11 @@ class ServeConfig:
     log_requests: bool = False  # log prompts and outputs (off: only ids, sizes and timings)
     tokenize_in_ingress: bool = True  # token ids travel with the request (needs the model's tokenizer files on ingress nodes)
     prefix_cache_salt: str = "none"  # none (one shared prefix cache) | api_key (one per bearer token)
+    # robustness (docs/failure-handling.md)
+    max_stream_buffer_tokens: int = 65536  # tokens (+ logprob alternatives) one stream may hold for a slow reader
+    openapi_docs: bool = False  # serve /openapi.json and /docs (the API's schema, e.g. for fuzzers)
+    exit_on_engine_death: bool = True  # a replica whose engine died exits at once (leaves the routing; Serve replaces it)
+    fault_hook_factory: str = ""  # tests only: "module:callable" making a serve_app.faults.FaultHook
 
     def __post_init__(self) -> None:
         engine = self.engine.items() if isinstance(self.engine, dict) else self.engine
@@ -353,6 +363,11 @@ class ServeConfig:
         _require(isinstance(self.stream_multiplexing, bool), "stream_multiplexing", "must be true or false")
         for path in self.stat_logger_factories:
             _require(isinstance(path, str) and ":" in path, "stat_logger_factories", f"expected 'module:callable', got {path!r}")
+        _require(not self.fault_hook_factory or ":" in self.fault_hook_factory, "fault_hook_factory", "expected 'module:callable'")
+        _require(isinstance(self.max_stream_buffer_tokens, int) and self.max_stream_buffer_tokens >= 1024,
+                 "max_stream_buffer_tokens", "must be an integer >= 1024")
+        _require(isinstance(self.openapi_docs, bool), "openapi_docs", "must be true or false")
+        _require(isinstance(self.exit_on_engine_death, bool), "exit_on_engine_death", "must be true or false")
         if self.request_router_class:
             _require("." in self.request_router_class or ":" in self.request_router_class, "request_router_class", "expected an import path")
         from serve_app.serving.routing_policy import ROUTER_CLASSES, KVRouterSettings  # no Ray import

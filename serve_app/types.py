@@ -7,10 +7,24 @@ field name, which the HTTP layer turns into a 400 with that `param`.
 from __future__ import annotations
 
 import enum
+import math
 import time
 from dataclasses import dataclass, field
 
-MAX_LOGPROBS = 20  # most alternatives per token (vLLM's default limit; OpenAI's chat API allows 20)
+from serve_app.request_limits import (
+    INT64_MAX,
+    INT64_MIN,
+    MAX_LOGPROBS,
+    MAX_PENALTY,
+    MAX_REPETITION_PENALTY,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TOKENS,
+)
+
+__all__ = ["MAX_LOGPROBS", "FinishReason", "GenerateRequest", "RequestFailedError", "RequestMetrics", "RequestOutput",
+           "SamplingParams", "TokenLogprob"]
 
 
 class FinishReason(enum.StrEnum):
@@ -60,30 +74,35 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            raise ValueError(f"max_tokens: must be an integer >= 1, got {self.max_tokens!r}")
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature: must be >= 0, got {self.temperature!r}")
-        if not 0 < self.top_p <= 1:
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= MAX_TOKENS):
+            raise ValueError(f"max_tokens: must be an integer in [1, {MAX_TOKENS}], got {self.max_tokens!r}")
+        if not _is_finite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature: must be a finite number >= 0, got {self.temperature!r}")
+        if not _is_finite(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p: must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
+        # top_k above the vocabulary keeps every token: the engine's InputProcessor turns it into 0
+        if not _is_int(self.top_k) or self.top_k < -1:
             raise ValueError(f"top_k: must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed: must be an integer, got {self.seed!r}")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError("stop: every stop string must be a non-empty string")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+        if self.seed is not None and (not _is_int(self.seed) or not INT64_MIN <= self.seed <= INT64_MAX):
+            raise ValueError(f"seed: must be an integer in [{INT64_MIN}, {INT64_MAX}], got {self.seed!r}")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+        if any(not isinstance(s, str) or not s or len(s) > MAX_STOP_STRING_CHARS for s in self.stop):
+            raise ValueError(f"stop: every stop string must be a non-empty string of at most {MAX_STOP_STRING_CHARS} characters")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} token ids, got {len(self.stop_token_ids)}")
+        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids: must be non-negative integers")
-        if not self.repetition_penalty > 0:
-            raise ValueError(f"repetition_penalty: must be > 0, got {self.repetition_penalty!r}")
+        if not _is_finite(self.repetition_penalty) or not 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise ValueError(f"repetition_penalty: must be in (0, {MAX_REPETITION_PENALTY:g}], got {self.repetition_penalty!r}")
         for name in ("presence_penalty", "frequency_penalty"):
-            if not -2 <= getattr(self, name) <= 2:
-                raise ValueError(f"{name}: must be in [-2, 2], got {getattr(self, name)!r}")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
-            raise ValueError(f"min_tokens: must be an integer >= 0, got {self.min_tokens!r}")
+            if not _is_finite(getattr(self, name)) or not -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY:
+                raise ValueError(f"{name}: must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {getattr(self, name)!r}")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= MAX_TOKENS:
+            raise ValueError(f"min_tokens: must be an integer in [0, {MAX_TOKENS}], got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens: {self.min_tokens} exceeds max_tokens {self.max_tokens}")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs: must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
 
     @property
@@ -100,6 +119,27 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_finite(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+class RequestFailedError(RuntimeError):
+    """One request failed inside the engine (preparing, sampling, detokenizing, or streaming it): it
+    was aborted and its KV blocks freed; the engine and every other request go on. `stage` names
+    where. Not retried elsewhere: the same request would likely fail the same way."""
+
+    def __init__(self, message: str, stage: str = "") -> None:
+        super().__init__(message)
+        self.stage = stage
+
+    def __reduce__(self):  # survives pickling across Ray (the default would lose `stage`)
+        return (RequestFailedError, (str(self), self.stage))
 
 
 @dataclass(frozen=True)
@@ -190,6 +230,9 @@ class RequestOutput:
     metrics: RequestMetrics
     prompt_token_ids: tuple[int, ...] = ()
     logprobs: tuple[TokenLogprob, ...] | None = None  # one per token of `token_ids` when requested
+    # set (with finish_reason ABORT) when one of the request's stages failed: the request alone was
+    # aborted; `AsyncLLMEngine` raises it on the request's stream as `RequestFailedError`
+    error: RequestFailedError | None = None
 
     @classmethod
     def admitted(cls, request_id: str, prompt_token_ids: list[int], arrival_time: float) -> RequestOutput:

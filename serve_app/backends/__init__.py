@@ -15,12 +15,13 @@ from serve_app.backends.base import Backend, BackendDeadError, ModelInfo, Routin
 from serve_app.config import ServeConfig
 
 
-def make_backend(config: ServeConfig, stat_loggers: Sequence[Any] = ()) -> Backend:
-    """The backend named by `config.backend` (not started yet)."""
+def make_backend(config: ServeConfig, stat_loggers: Sequence[Any] = (), fault_hook: Any = None) -> Backend:
+    """The backend named by `config.backend` (not started yet). `fault_hook` (tests only,
+    serve_app/faults.py) reaches the native engine's per-request stages."""
     if config.backend == "native":
         from serve_app.backends.native import NativeBackend
 
-        return NativeBackend(config.engine_config(), config.model_name, stat_loggers)
+        return NativeBackend(config.engine_config(), config.model_name, stat_loggers, fault_hook)
     if config.backend == "vllm":
         from serve_app.backends.vllm import VLLMBackend  # imports vllm only in start()
 

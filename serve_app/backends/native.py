@@ -28,10 +28,12 @@ class NativeBackend(Backend):
     `SchedulerStats` and every finished request's metrics (the metrics exporters plug in here).
     """
 
-    def __init__(self, engine_config: EngineConfig, model_name: str = "", stat_loggers: Sequence[Any] = ()) -> None:
+    def __init__(self, engine_config: EngineConfig, model_name: str = "", stat_loggers: Sequence[Any] = (),
+                 fault_hook: Any = None) -> None:
         self.engine_config = engine_config
         self.model_name = model_name or engine_config.model.name
         self.stat_loggers = tuple(stat_loggers)
+        self.fault_hook = fault_hook  # tests only (serve_app/faults.py)
         self._engine: AsyncLLMEngine | None = None
         self._engine_dead_error: type[Exception] = BackendDeadError
         self._closed = False
@@ -51,7 +53,7 @@ class NativeBackend(Backend):
         self._engine_dead_error = EngineDeadError
         from serve_app.engine.kv_events import KVCachePublisher
 
-        self._engine = AsyncLLMEngine(self.engine_config, self.stat_loggers)
+        self._engine = AsyncLLMEngine(self.engine_config, self.stat_loggers, self.fault_hook)
         self._publisher = KVCachePublisher(self._engine.engine.core.kv_events, self.engine_config.cache.block_size)
         load = self._engine.load()
         logger.info(

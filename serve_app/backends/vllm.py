@@ -161,8 +161,10 @@ class VLLMBackend(Backend):
         engine = self.engine
         self.check_health()
         assert self._input is not None
-        prompt_ids = self._input.process(request).prompt_token_ids  # ValueError ("prompt: ...") before queuing
-        params = self._sampling_params(request.sampling_params)
+        processed = self._input.process(request)  # ValueError ("prompt: ...") before queuing
+        prompt_ids = processed.prompt_token_ids
+        # the processed parameters: model-dependent bounds applied (top_k past the vocabulary is off)
+        params = self._sampling_params(processed.sampling_params)
         arrival = request.arrival_time
         first_token_time: float | None = None
         num_tokens = 0

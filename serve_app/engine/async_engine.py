@@ -11,7 +11,10 @@ Contracts:
   answer before the first token.
 - Leaving the iteration early (client disconnect, cancellation) aborts the request; `abort()`
   returns once the request's KV blocks are free.
-- If a step raises, every waiting caller gets `EngineDeadError` (no hang) and `check_health()`
+- A failure belongs to its request: if admitting, sampling or detokenizing one request raises, its
+  caller gets `RequestFailedError` (the request is aborted, its KV blocks freed) and the engine goes
+  on with the others (`LLMEngine`).
+- If a step itself raises, every waiting caller gets `EngineDeadError` (no hang) and `check_health()`
   raises from then on; so does a request registered after the loop ended (at once, not at its
   timeout), and one still open when the engine is shut down.
 - Heartbeat: `seconds_without_progress()` is how long the loop has had work (a request in the
@@ -33,8 +36,9 @@ from dataclasses import dataclass
 from serve_app.config import EngineConfig
 from serve_app.engine.llm_engine import LLMEngine, StatLogger
 from serve_app.engine.request import Request
+from serve_app.faults import FaultHook, Stage
 from serve_app.metrics.stats import EngineLoad
-from serve_app.types import GenerateRequest, RequestOutput
+from serve_app.types import GenerateRequest, RequestFailedError, RequestOutput
 
 logger = logging.getLogger(__name__)
 
@@ -53,8 +57,8 @@ class _Stream:
 
 
 class AsyncLLMEngine:
-    def __init__(self, config: EngineConfig, stat_loggers: Iterable[StatLogger] = ()) -> None:
-        self.engine = LLMEngine(config, stat_loggers)
+    def __init__(self, config: EngineConfig, stat_loggers: Iterable[StatLogger] = (), fault_hook: FaultHook | None = None) -> None:
+        self.engine = LLMEngine(config, stat_loggers, fault_hook)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         # prompt tokens of requests in the inbox (sent, not yet in the scheduler: it takes them in
@@ -194,22 +198,28 @@ class AsyncLLMEngine:
     def _add(self, request: GenerateRequest, engine_request: Request) -> None:
         with self._inbox_lock:
             self._inbox_prompt_tokens -= engine_request.num_prompt_tokens
-        if request.request_id in self._streams:  # else the caller left before the request got here
+        stream = self._streams.get(request.request_id)
+        if stream is None:  # the caller left before the request got here
+            return
+        try:
             self.engine.add_processed(request, engine_request)
+        except Exception as exc:  # noqa: BLE001 - this request's own fault: nothing of it stays in the engine
+            logger.exception("admitting request %s failed; it is aborted", request.request_id)
+            stream.put(RequestFailedError(f"{Stage.PREPARE} failed: {type(exc).__name__}: {exc}", Stage.PREPARE))
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         # one wake-up of each event loop per step, carrying every stream's delta (not one per token:
         # each call_soon_threadsafe writes the loop's self-pipe)
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput | RequestFailedError]]] = {}
         for out in outputs:
             stream = self._streams.get(out.request_id)
-            if stream is not None:
-                by_loop.setdefault(stream.loop, []).append((stream.queue, out))
+            if stream is not None:  # a request aborted because one of its stages failed gets the error
+                by_loop.setdefault(stream.loop, []).append((stream.queue, out if out.error is None else out.error))
         for loop, items in by_loop.items():
             loop.call_soon_threadsafe(_put_all, items)
 
 
-def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutput | RequestFailedError]]) -> None:
     for q, out in items:
         q.put_nowait(out)
 

@@ -1,9 +1,15 @@
-"""EngineCore: one step = schedule() → execute_model() → update_from_output()."""
+"""EngineCore: one step = schedule() → execute_model() → update_from_output().
+
+A request whose sampling fails (the model runner reports it in `failed`) is aborted alone and the step
+stands for the others; a failure of the step itself (scheduling, the forward pass) may have left the
+shared state (KV cache, block tables) inconsistent, so it propagates and ends the engine.
+"""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterable
+from dataclasses import replace
 
 from serve_app.config import EngineConfig
 from serve_app.engine.block_manager import BlockManager
@@ -15,7 +21,8 @@ from serve_app.engine.scheduler import Scheduler
 from serve_app.engine.spec_decode.draft import DraftProposer
 from serve_app.engine.spec_decode.speculator import Speculator
 from serve_app.engine.step_cost import StepCostFit
-from serve_app.types import FinishReason
+from serve_app.faults import Stage
+from serve_app.types import FinishReason, RequestFailedError
 
 
 class EngineCore:
@@ -57,6 +64,12 @@ class EngineCore:
         """Abort (or, for stop strings found after detokenizing, stop) requests now, freeing their blocks."""
         return self.scheduler.finish_requests(request_ids, reason)
 
+    def fail_requests(self, details: dict[str, str], stage: Stage) -> list[EngineCoreOutput]:
+        """Abort requests one of whose stages failed (`details`: request id → what went wrong), freeing
+        their blocks; their outputs carry the `RequestFailedError` their callers get."""
+        outputs = self.scheduler.finish_requests(details, FinishReason.ABORT)
+        return [replace(o, error=RequestFailedError(f"{stage} failed: {details[o.request_id]}", stage)) for o in outputs]
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
@@ -69,6 +82,8 @@ class EngineCore:
             return EngineCoreOutputs((), None)
         runner_output = self.model_runner.execute_model(scheduler_output)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if runner_output.failed:  # their sampling raised: abort them alone (blocks freed), the step stands
+            outputs += self.fail_requests(dict(runner_output.failed), Stage.SAMPLE)
         stats = self.scheduler.make_stats(self.step_index, start, time.monotonic() - start, scheduler_output)
         self.step_cost.observe(stats.num_prefill_tokens, stats.num_decode_tokens, stats.step_duration_s)
         self.step_index += 1

@@ -9,7 +9,12 @@ by the chat template, which writes its special tokens itself.
 
 Context length (the same rule as OpenAI's API): a request whose prompt plus `max_tokens` does not
 fit the context is rejected (`max_tokens: ...`, naming both numbers), never cut short silently;
-`max_tokens` None means the room left in the context.
+`max_tokens` None means the room left in the context. Text that cannot fit is rejected before it is
+tokenized: no token is longer than the vocabulary's longest entry (`max_token_chars`), so a text of
+more than `max_model_len * max_token_chars` characters has more tokens than the context holds.
+
+Model-dependent bounds of `SamplingParams` live here, so both backends get them: `stop_token_ids`
+below the vocabulary size; `top_k` at or above it keeps every token and becomes 0 (disabled).
 """
 
 from __future__ import annotations
@@ -33,6 +38,23 @@ class InputProcessor:
             from transformers import AutoTokenizer
 
             self.hf_tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        # characters in the longest vocabulary entry (byte-level BPE writes one character per byte,
+        # so a token's text is never longer than its entry); None without a tokenizer
+        self.max_token_chars = None
+        if self.hf_tokenizer is not None:
+            self.max_token_chars = max(1, max(map(len, self.hf_tokenizer.get_vocab()), default=1))
+
+    @property
+    def max_prompt_chars(self) -> int | None:
+        """Text longer than this cannot fit the context whatever it is (None: no tokenizer)."""
+        return None if self.max_token_chars is None else self.max_model_len * self.max_token_chars
+
+    def check_text_fits(self, param: str, num_chars: int) -> None:
+        """Reject `num_chars` of text that cannot fit the context, before spending time tokenizing it."""
+        limit = self.max_prompt_chars
+        if limit is not None and num_chars > limit:
+            raise ValueError(f"{param}: {num_chars} characters cannot fit the context length of {self.max_model_len} "
+                             f"tokens (at most {limit} characters: {self.max_token_chars} per token)")
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
@@ -51,6 +73,7 @@ class InputProcessor:
         for m in messages:
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise ValueError("messages: each message needs a string 'role' and a string 'content'")
+        self.check_text_fits("messages", sum(len(m["content"]) + len(m.get("name") or "") for m in messages))
         return list(
             self.hf_tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True, return_dict=True)[
                 "input_ids"
@@ -61,6 +84,7 @@ class InputProcessor:
         if isinstance(prompt, str):
             if self.hf_tokenizer is None:
                 raise ValueError("prompt: this model has no tokenizer; send token ids")
+            self.check_text_fits("prompt", len(prompt))
             return self.hf_tokenizer.encode(prompt)  # with the special tokens this tokenizer adds
         if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in prompt):
             raise ValueError(f"prompt: token ids must be integers in [0, {self.vocab_size})")
@@ -91,6 +115,8 @@ class InputProcessor:
             )
         if any(t >= self.vocab_size for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids: token ids must be integers in [0, {self.vocab_size})")
+        if params.top_k >= self.vocab_size:  # keeps every token: the same as off, and no huge integer reaches a tensor
+            params = dataclasses.replace(params, top_k=0)
         return Request(
             request_id=request.request_id,
             prompt_token_ids=token_ids,

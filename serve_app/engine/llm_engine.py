@@ -2,10 +2,15 @@
 
 Both front ends drive it: `LLM` (offline, in the caller's thread) and `AsyncLLMEngine` (from its
 background thread). Not thread-safe.
+
+A failure belongs to its request: if admitting, sampling or detokenizing one request raises, that
+request is aborted (its blocks freed) and its last `RequestOutput` carries the `RequestFailedError`;
+the step's other requests go on. `fault_hook` (tests only, serve_app/faults.py) injects such failures.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from typing import Protocol
 
@@ -15,8 +20,9 @@ from serve_app.engine.input_processor import InputProcessor
 from serve_app.engine.output_processor import OutputProcessor
 from serve_app.engine.outputs import EngineCoreOutput
 from serve_app.engine.request import Request
+from serve_app.faults import FaultHook, Stage
 from serve_app.metrics.stats import EngineLoad, SchedulerStats
-from serve_app.types import FinishReason, GenerateRequest, RequestMetrics, RequestOutput
+from serve_app.types import FinishReason, GenerateRequest, RequestFailedError, RequestMetrics, RequestOutput
 
 
 class StatLogger(Protocol):
@@ -32,12 +38,14 @@ class StatLogger(Protocol):
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, stat_loggers: Iterable[StatLogger] = ()) -> None:
+    def __init__(self, config: EngineConfig, stat_loggers: Iterable[StatLogger] = (), fault_hook: FaultHook | None = None) -> None:
         self.config = config
         self.core = EngineCore(config)
         runner = self.core.model_runner
+        runner.fault_hook = fault_hook
+        self.fault_hook = fault_hook
         self.input_processor = InputProcessor(config.model.model, runner.args.vocab_size, self.core.max_model_len)
-        self.output_processor = OutputProcessor(self.input_processor.tokenizer)
+        self.output_processor = OutputProcessor(self.input_processor.tokenizer, fault_hook)
         self.stat_loggers = list(stat_loggers)
         self.last_stats: SchedulerStats | None = None
         for stat_logger in self.stat_loggers:
@@ -55,11 +63,19 @@ class LLMEngine:
         self.add_processed(request, self.input_processor.process(request))
 
     def add_processed(self, request: GenerateRequest, engine_request: Request) -> None:
-        """Queue a request already validated by `input_processor.process`."""
+        """Queue a request already validated by `input_processor.process`. If this raises, nothing of
+        the request is left in the engine."""
+        if self.fault_hook is not None:
+            self.fault_hook.admit(request)
+            self.fault_hook.check(Stage.PREPARE, request.request_id)
         self.output_processor.add_request(
             request.request_id, engine_request.prompt_token_ids, request.sampling_params, request.arrival_time
         )
-        self.core.add_request(engine_request)
+        try:
+            self.core.add_request(engine_request)
+        except BaseException:
+            self.output_processor.discard(request.request_id)
+            raise
 
     def abort(self, request_ids: Iterable[str]) -> list[RequestOutput]:
         """Abort now; the requests' KV blocks are free when this returns."""
@@ -70,13 +86,24 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         core_outputs = self.core.step()
-        results, stop_ids = self.output_processor.process(core_outputs.outputs)
+        processed = self.output_processor.process(core_outputs.outputs)
+        results = processed.results
         if (stats := core_outputs.scheduler_stats) is not None:
             self.last_stats = stats
         self._log(core_outputs.scheduler_stats, core_outputs.outputs)
-        if stop_ids:
-            results += self._finish(self.core.finish_requests(stop_ids, FinishReason.STOP))
+        if processed.stop_ids:
+            results += self._finish(self.core.finish_requests(processed.stop_ids, FinishReason.STOP))
+        if processed.failed:
+            results += self._fail(processed.failed, Stage.DETOKENIZE)
         return results
+
+    def _fail(self, details: dict[str, str], stage: Stage) -> list[RequestOutput]:
+        """Abort requests whose processing failed outside the core (id → what went wrong): free what the
+        core still holds of them, and end each one's stream with its error."""
+        self._log(None, self.core.fail_requests(details, stage))  # (output processor state is gone already)
+        now = time.monotonic()
+        return [RequestOutput(rid, "", (), True, FinishReason.ABORT, 0, RequestMetrics(arrival_time=now, finished_time=now),
+                              error=RequestFailedError(f"{stage} failed: {detail}", stage)) for rid, detail in details.items()]
 
     def _finish(self, outputs: list[EngineCoreOutput]) -> list[RequestOutput]:
         self._log(None, outputs)
@@ -85,7 +112,7 @@ class LLMEngine:
             for stat_logger in self.stat_loggers:
                 if hasattr(stat_logger, "record_load"):
                     stat_logger.record_load(load)
-        return self.output_processor.process(outputs)[0]
+        return self.output_processor.process(outputs).results
 
     def load(self) -> EngineLoad:
         bm, sched = self.core.block_manager, self.core.scheduler

@@ -34,6 +34,7 @@ from serve_app.engine.sampler import sample, sampling_probs
 from serve_app.engine.self_check import check_prompt_len, run_check, verdict
 from serve_app.engine.spec_decode.acceptance import accept
 from serve_app.engine.spec_decode.rejection import rejection_sample
+from serve_app.faults import FaultHook, Stage
 
 logger = logging.getLogger(__name__)
 
@@ -293,11 +294,45 @@ class ModelRunner:
         picked = computed if len(rows) == computed.shape[0] else computed[self._tensor(rows)]
         return samplers, picked if hidden is None else self.model.compute_logits(picked)
 
+    fault_hook: FaultHook | None = None  # tests only (serve_app/faults.py), installed by LLMEngine
+
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         samplers, logits = self.sampling_logits(scheduler_output.scheduled)
         if not samplers:
             return ModelRunnerOutput((), ())
+        try:
+            return self._sample(samplers, logits)
+        except Exception:  # noqa: BLE001 - find whose sampling fails: only that request is aborted
+            logger.warning("batched sampling failed; sampling the step's %d requests one by one", len(samplers), exc_info=True)
+            return self._sample_each(samplers, logits)
+
+    def _sample_each(self, samplers: list[ScheduledRequest], logits: torch.Tensor) -> ModelRunnerOutput:
+        """`_sample` one request at a time; the requests whose sampling raises are reported in `failed`."""
+        outs: list[tuple[ScheduledRequest, ModelRunnerOutput]] = []
+        failed: list[tuple[str, str]] = []
+        at = 0
+        for s in samplers:
+            n = 1 + len(s.spec_token_ids)
+            try:
+                outs.append((s, self._sample([s], logits[at : at + n])))
+            except Exception as exc:  # noqa: BLE001 - this request's own fault
+                logger.exception("sampling failed for request %s; it is aborted", s.request_id)
+                failed.append((s.request_id, f"{type(exc).__name__}: {exc}"))
+            at += n
+        any_logprobs = any(o.logprobs for _, o in outs)
+        any_extra = any(o.extra_token_ids for _, o in outs)
+        return ModelRunnerOutput(
+            tuple(o.request_ids[0] for _, o in outs), tuple(o.sampled_token_ids[0] for _, o in outs),
+            tuple(o.logprobs[0] if o.logprobs else None for _, o in outs) if any_logprobs else (),
+            extra_token_ids=tuple(o.extra_token_ids[0] if o.extra_token_ids else () for _, o in outs) if any_extra else (),
+            failed=tuple(failed))
+
+    def _sample(self, samplers: list[ScheduledRequest], logits: torch.Tensor) -> ModelRunnerOutput:
+        """Sample (and verify proposals for) `samplers` from their logits rows."""
+        if self.fault_hook is not None:
+            for s in samplers:
+                self.fault_hook.check(Stage.SAMPLE, s.request_id)
         # one row per sampled position; a verified request's rows carry no penalties, min_tokens or
         # logprobs (`SamplingParams.can_speculate`), so the per-request inputs repeat unchanged
         spans = [1 + len(s.spec_token_ids) for s in samplers]

@@ -7,7 +7,7 @@ from typing import Any
 
 from serve_app.engine.logprobs import SampledLogprobs
 from serve_app.metrics.stats import SchedulerStats
-from serve_app.types import FinishReason, RequestMetrics, SamplingParams
+from serve_app.types import FinishReason, RequestFailedError, RequestMetrics, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -76,6 +76,8 @@ class ModelRunnerOutput:
     sampled_token_ids: tuple[int, ...]
     logprobs: tuple[SampledLogprobs | None, ...] = ()  # per request when any asked for logprobs, else empty
     extra_token_ids: tuple[tuple[int, ...], ...] = ()
+    # requests whose sampling raised (not in `request_ids`): (request id, what went wrong); the core aborts them
+    failed: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -88,6 +90,7 @@ class EngineCoreOutput:
     stop_reason: int | None = None  # the stop token id that ended it, if any
     metrics: RequestMetrics | None = None  # set when finished
     new_logprobs: tuple[SampledLogprobs, ...] | None = None  # one per new token when requested
+    error: RequestFailedError | None = None  # set when the request was aborted because one of its stages failed
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,7 @@ def sampling_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> to
     temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=device)
     logits = logits / temps.unsqueeze(1)
     if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
-        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
+        top_k = torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params], device=device)  # fits a long
         top_p = torch.tensor([p.top_p for p in params], device=device)
         logits = apply_top_k_top_p(logits, top_k, top_p)
     return logits.softmax(dim=-1)

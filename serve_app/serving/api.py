@@ -26,6 +26,7 @@ import hashlib
 import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -72,6 +73,8 @@ class OpenAIAPI:
         self.config = config
         self.info = info
         self.input_processor = input_processor  # serve_app.engine.input_processor.InputProcessor, or None
+        # one thread: HF fast tokenizers are not safe to call from several threads at once ("Already borrowed")
+        self._tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         self.mux = mux  # this ingress's stream channel with stream multiplexing, else None
 
     def _stream(self, request: GenerateRequest, call_suffix: str) -> ChoiceStream:
@@ -80,11 +83,15 @@ class OpenAIAPI:
             return ChoiceStream(self.llm, request, retries, call_suffix)
         return MuxedChoiceStream(self.llm, request, self.mux, retries, call_suffix)
 
-    def _prepare(self, request: GenerateRequest, salt: str | None) -> GenerateRequest:
-        """The request with its token ids (tokenized once, here) and cache salt."""
+    async def _prepare(self, request: GenerateRequest, salt: str | None) -> GenerateRequest:
+        """The request with its token ids (tokenized once, here) and cache salt. Tokenizing and chat
+        templating run in a worker thread: a long prompt must not stall the event loop that carries
+        every other stream (text that cannot fit is rejected before tokenizing, `InputProcessor`)."""
         ids = None
         if self.input_processor is not None:
-            ids = tuple(self.input_processor.process(request).prompt_token_ids)  # ValueError → 400
+            processed = await asyncio.get_running_loop().run_in_executor(
+                self._tokenize_pool, self.input_processor.process, request)  # ValueError → 400
+            ids = tuple(processed.prompt_token_ids)
         return dataclasses.replace(request, prompt_token_ids=ids, cache_salt=salt)
 
     def cache_salt(self, authorization: str | None) -> str | None:
@@ -127,7 +134,7 @@ class OpenAIAPI:
             for j in range(body.n):
                 params = body.sampling_params(j, self.info.generation_defaults)
                 request = GenerateRequest(f"{request_id}-{p}-{j}", prompt=prompt, sampling_params=params, user=body.user)
-                first = self._prepare(request, salt) if first is None else first
+                first = await self._prepare(request, salt) if first is None else first
                 requests.append(dataclasses.replace(request, prompt_token_ids=first.prompt_token_ids, cache_salt=salt))
                 prompt_indexes.append(p)
         builder = ResponseBuilder("completion", request_id, self.info.name, body.include_usage, body.continuous_usage)
@@ -139,7 +146,7 @@ class OpenAIAPI:
         self._check_fan_out(1, body.n)
         messages = body.engine_messages()
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        first = self._prepare(GenerateRequest(request_id, messages=messages), salt)
+        first = await self._prepare(GenerateRequest(request_id, messages=messages), salt)
         requests = [
             GenerateRequest(f"{request_id}-0-{j}", messages=messages, sampling_params=body.sampling_params(j, self.info.generation_defaults),
                             prompt_token_ids=first.prompt_token_ids, cache_salt=salt, user=body.user)
@@ -179,7 +186,7 @@ class OpenAIAPI:
         choices = [ChoiceState(prompt_index=p) for p in prompt_indexes]
         for choice, first in zip(choices, firsts, strict=True):
             choice.add(first)
-        pump = ChoicePump(streams).start()
+        pump = ChoicePump(streams, self.config.max_stream_buffer_tokens if stream else None).start()
         if stream:
             events = self._events(builder, choices, firsts, pump, deadline, aliases)
             return _ClosingStreamingResponse(events, pump.close, media_type="text/event-stream",
@@ -222,8 +229,11 @@ class OpenAIAPI:
 
 
 def build_fastapi_app(api: OpenAIAPI, api_key: str = "") -> FastAPI:
-    """The ASGI app: routes + OpenAI error bodies for every failure + API key + body-size limit."""
-    app = FastAPI(title="serve_app OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None)
+    """The ASGI app: routes + OpenAI error bodies for every failure + API key + body-size limit; with
+    `openapi_docs` also the API's OpenAPI schema (/openapi.json) and its Swagger UI (/docs)."""
+    docs = api.config.openapi_docs
+    app = FastAPI(title="serve_app OpenAI-compatible API", docs_url="/docs" if docs else None, redoc_url=None,
+                  openapi_url="/openapi.json" if docs else None)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> Response:

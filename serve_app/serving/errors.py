@@ -11,6 +11,8 @@
 | overload (Serve backpressure)                       | 503    | server_error          | server_overloaded  |
 | the replica died / is unreachable                   | 503    | server_error          | replica_unavailable|
 | request timeout                                     | 504    | timeout_error         | request_timeout    |
+| a slow reader let its stream's buffer overflow      | (stream) | server_error        | stream_buffer_overflow |
+| one request failed in the engine (it alone aborted) | 500    | server_error          | request_failed     |
 | engine failure, anything unexpected                 | 500    | server_error          | engine_error ...   |
 
 Exceptions raised inside a replica arrive wrapped in Ray's `RayTaskError`; `unwrap` recovers the
@@ -32,6 +34,7 @@ from starlette.responses import Response
 from serve_app.backends.base import BackendDeadError
 from serve_app.serving.delta_channel import ChannelClosed
 from serve_app.serving.openai_protocol import UnsupportedParameterError
+from serve_app.types import RequestFailedError
 
 logger = logging.getLogger(__name__)
 
@@ -150,6 +153,9 @@ def to_api_error(exc: BaseException, *, retry_after_s: int = 1, param_aliases: d
                         headers={"Retry-After": str(retry_after_s)})
     if isinstance(exc, TimeoutError | asyncio.TimeoutError):
         return APIError(504, "the request did not finish within the server's time limit", code="request_timeout")
+    if isinstance(exc, RequestFailedError):  # the detail stays in the replica's log
+        return APIError(500, f"this request failed in the engine ({exc.stage or 'unknown stage'}) and was aborted; "
+                        "other requests are not affected", code="request_failed")
     if isinstance(exc, BackendDeadError):
         return APIError(500, "the inference engine failed; the replica is being replaced", code="engine_error")
     if isinstance(exc, TaskCancelledError):

@@ -16,6 +16,13 @@ Called only through a `DeploymentHandle` (from `OpenAIIngress`):
   to request routers (`serve_app.serving.router`); and `check_health()` every `health_check_period_s`: it raises once the engine loop died,
   or once the engine has had work pending and finished no step for `engine_stall_timeout_s` (a
   hung step), and Serve replaces the replica.
+- A dead engine leaves the routing at once (`EngineWatch`, serving/engine_watch.py): under Serve, the
+  replica checks its backend every `ENGINE_WATCH_PERIOD_S`; once the engine is dead, in-flight
+  streams get their error, calls that have sent nothing are held, and after `DEAD_EXIT_GRACE_S` the
+  replica process exits. Handles then see the actor dead, routers drop it at once, the held calls are
+  retried on another replica, and Serve starts a replacement.
+- A failure belongs to its request: if sending one request's deltas raises (the `stream` stage), that
+  request alone fails with `RequestFailedError` (its engine request is aborted, KV freed).
 - Drain: once Serve begins shutting the replica down (scale-down, redeploy), its in-flight requests
   get up to `drain_timeout_s` to finish; the rest are then aborted in the engine (KV freed, their
   streams end with an `abort` finish, which the ingress reports as an error) before Serve's own
@@ -42,14 +49,16 @@ from ray import serve
 from serve_app.backends import Backend, BackendDeadError, ModelInfo, make_backend
 from serve_app.block_hash import prompt_block_keys
 from serve_app.config import ServeConfig
+from serve_app.faults import Stage
 from serve_app.metrics.loggers import RayStatLogger
 from serve_app.serving.delta_channel import ChannelAddress
 from serve_app.serving.drain import shutdown_probe
+from serve_app.serving.engine_watch import EngineWatch
 from serve_app.serving.heap_trim import IdleHeapTrimmer
 from serve_app.serving.pending_prefixes import PendingPrefixes
 from serve_app.serving.stream_batching import GenerationChunk, batch_stream
 from serve_app.serving.stream_mux import ChannelSenders
-from serve_app.types import GenerateRequest
+from serve_app.types import GenerateRequest, RequestFailedError
 
 __all__ = ["GenerationChunk", "LLMServer", "batch_stream"]
 
@@ -89,11 +98,13 @@ class _Tally:
     def __init__(self, on_first_token: Callable[[], None]) -> None:
         self._on_first_token = on_first_token
         self.num_tokens = 0
+        self.num_chunks = 0  # items the backend produced (the first is the admission delta)
         self.reason: str | None = None
 
     def add(self, num_tokens: int, reason: str | None) -> None:
         if num_tokens and not self.num_tokens:
             self._on_first_token()
+        self.num_chunks += 1
         self.num_tokens += num_tokens
         self.reason = reason
 
@@ -119,7 +130,9 @@ class LLMServer:
         stat_loggers = [RayStatLogger(config.model_name)]
         stat_loggers += [import_attr(path)(config) for path in config.stat_logger_factories]
         self._stat_loggers = stat_loggers
-        self.backend: Backend = make_backend(config, stat_loggers)
+        # tests only: per-request fault injection (serve_app/faults.py)
+        self._faults = import_attr(config.fault_hook_factory)(config) if config.fault_hook_factory else None
+        self.backend: Backend = make_backend(config, stat_loggers, self._faults)
         await self.backend.start()
         self._info = self.backend.model_info()
         self._in_flight: dict[str, asyncio.Task] = {}  # open `generate` calls by request id
@@ -129,6 +142,8 @@ class LLMServer:
         # multiplexed streams, per ingress
         self._senders = ChannelSenders(config.stream_batch_interval_s, ray.get_runtime_context().get_node_id())
         self._drain_task = asyncio.get_running_loop().create_task(self._drain_on_shutdown())
+        # None outside Serve (in-process tests), or when switched off (then only the health check acts)
+        self._watch = EngineWatch.under_serve(self.backend.check_health) if config.exit_on_engine_death else None
         logger.info("LLMServer replica ready: model %s, context %d tokens, torch threads %s",
                     self._info.name, self._info.max_model_len, threads or "n/a")
 
@@ -139,11 +154,32 @@ class LLMServer:
                 async with contextlib.aclosing(batch_stream(self.backend.generate(request), self.config.stream_batch_interval_s)) as chunks:
                     async for chunk in chunks:
                         tally.add(len(chunk.token_ids), chunk.finish_reason)
+                        self._check_stream(request)
                         yield chunk
             except asyncio.CancelledError:
                 if request.request_id not in self._cut:
                     raise  # the caller went away
                 yield tally.cut(request)
+            except BackendDeadError:
+                await self._hold_if_leaving(tally)
+                raise
+
+    async def _hold_if_leaving(self, tally: _Tally) -> None:
+        """A call that sent nothing yet while the engine is dead waits for the replica to exit (if it
+        is leaving): its caller then sees the actor dead and retries elsewhere, once routers have
+        dropped this replica, instead of retrying into it."""
+        if self._watch is not None and not tally.num_chunks:
+            await self._watch.wait_for_exit()
+
+    def _check_stream(self, request: GenerateRequest) -> None:
+        """The `stream` stage's fault hook (tests only); a failure there is the request's own."""
+        if self._faults is None:
+            return
+        try:
+            self._faults.check(Stage.STREAM, request.request_id)
+        except Exception as exc:  # noqa: BLE001 - the request's own fault: it alone fails (its engine request is aborted)
+            logger.exception("streaming request %s failed; it is aborted", request.request_id)
+            raise RequestFailedError(f"{Stage.STREAM} failed: {type(exc).__name__}: {exc}", Stage.STREAM) from exc
 
     async def generate_muxed(self, request: GenerateRequest, channel: ChannelAddress) -> AsyncIterator[GenerationChunk]:
         """`generate` with stream multiplexing (serving.stream_mux): the admission chunk and every
@@ -159,6 +195,7 @@ class LLMServer:
                     token_sent = False
                     async for out in outputs:  # the first is the admission delta; invalid input raises there
                         tally.add(len(out.token_ids), out.finish_reason)
+                        self._check_stream(request)
                         if token_sent:
                             sender.check()
                             sender.add(request.request_id, out)
@@ -174,15 +211,19 @@ class LLMServer:
                     sender.check()
             except BaseException as exc:  # cancelled (caller gone or the drain cut it) or failed: drop what is pending
                 sender.forget(request.request_id)
+                if isinstance(exc, BackendDeadError):
+                    await self._hold_if_leaving(tally)
                 if not isinstance(exc, asyncio.CancelledError) or request.request_id not in self._cut:
                     raise
                 yield tally.cut(request)
 
-    @staticmethod
-    def _arrived(request: GenerateRequest) -> GenerateRequest:
+    def _arrived(self, request: GenerateRequest) -> GenerateRequest:
         # the engine's timings (TTFT, queue time) start when the request reaches this replica: the
         # ingress's monotonic clock may be another machine's
-        return dataclasses.replace(request, arrival_time=time.monotonic())
+        request = dataclasses.replace(request, arrival_time=time.monotonic())
+        if self._faults is not None:
+            self._faults.admit(request)
+        return request
 
     @contextlib.contextmanager
     def _tracked(self, request: GenerateRequest) -> Iterator[_Tally]:
@@ -274,6 +315,9 @@ class LLMServer:
         task = getattr(self, "_drain_task", None)
         if task is not None:
             task.cancel()
+        watch = getattr(self, "_watch", None)
+        if watch is not None:
+            watch.stop()
         backend = getattr(self, "backend", None)
         if backend is not None:
             backend.shutdown()

@@ -15,14 +15,31 @@ out of the engine's speculative decoding). docs/openai-api.md lists them all.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from serve_app.generation_config import GenerationDefaults
+from serve_app.request_limits import (
+    MAX_CONTENT_PARTS,
+    MAX_LOGPROBS,
+    MAX_MESSAGE_NAME_CHARS,
+    MAX_MESSAGES,
+    MAX_METADATA_CHARS,
+    MAX_METADATA_ENTRIES,
+    MAX_MODEL_NAME_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TEMPERATURE,
+    MAX_USER_CHARS,
+    wrap_int64,
+)
 from serve_app.types import SamplingParams
 
-MAX_TEMPERATURE = 2.0  # OpenAI's limit
+# bounded strings and lists: pydantic rejects them before anything else looks at the request, with a
+# 400 naming the field and the bound ("user: String should have at most 256 characters")
+ShortText = Annotated[str, Field(max_length=MAX_MESSAGE_NAME_CHARS)]
+MetadataText = Annotated[str, Field(max_length=MAX_METADATA_CHARS)]
 
 # ---- errors --------------------------------------------------------------------------------------
 
@@ -53,8 +70,8 @@ class UnsupportedParameterError(ValueError):
 
 class _Request(BaseModel):
     # OpenAI rejects parameters it does not know, and mistyped values ("16" for an integer); so do
-    # we: a typo must not be silently ignored or coerced
-    model_config = ConfigDict(extra="forbid", strict=True)
+    # we: a typo must not be silently ignored or coerced. No float may be NaN or infinite.
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(_Request):
@@ -63,11 +80,11 @@ class StreamOptions(_Request):
 
 
 class _SamplingFields(_Request):
-    model: str
+    model: str = Field(max_length=MAX_MODEL_NAME_CHARS)
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None  # each string: SamplingParams
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None  # extension
@@ -76,15 +93,15 @@ class _SamplingFields(_Request):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None  # extension
     min_tokens: int = 0  # extension
-    stop_token_ids: list[int] | None = None  # extension
-    logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)  # extension
+    logit_bias: dict[str, float] | None = None  # rejected unless empty (unsupported)
+    user: str | None = Field(default=None, max_length=MAX_USER_CHARS)
     ignore_eos: bool = False  # extension
     speculative: bool = True  # extension
     # accepted and ignored: they do not change the output
-    metadata: dict[str, Any] | None = None
+    metadata: dict[MetadataText, MetadataText] | None = Field(default=None, max_length=MAX_METADATA_ENTRIES)
     store: bool | None = None
-    service_tier: str | None = None
+    service_tier: ShortText | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -111,7 +128,7 @@ class _SamplingFields(_Request):
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         seed = self.seed
         if seed is not None and self.n > 1:  # distinct, still reproducible samples per choice
-            seed += choice_index
+            seed = wrap_int64(seed + choice_index)
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=defaults.sampling_value("temperature", self.temperature, 1.0),
@@ -176,8 +193,8 @@ class ChatMessage(_Request):
     """One chat message; an unknown field (a typo) is a 400 naming it, as at OpenAI."""
 
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
-    content: str | list[dict[str, Any]] | None = None
-    name: str | None = None  # handed to the chat template, which may use it
+    content: str | Annotated[list[dict[str, Any]], Field(max_length=MAX_CONTENT_PARTS)] | None = None
+    name: ShortText | None = None  # handed to the chat template, which may use it
     refusal: str | None = None  # an earlier assistant refusal: only null is accepted (it has no template slot)
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
@@ -211,7 +228,7 @@ class ChatMessage(_Request):
 class ChatCompletionRequest(_SamplingFields):
     """POST /v1/chat/completions."""
 
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
@@ -230,6 +247,8 @@ class ChatCompletionRequest(_SamplingFields):
         self._check_common(max_n)
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs: requires logprobs to be true")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"top_logprobs: must be an integer in [0, {MAX_LOGPROBS}], got {self.top_logprobs}")
         if self.parallel_tool_calls is not None:
             raise UnsupportedParameterError("parallel_tool_calls", "tool calling is not supported by this server")
         if self.tools or self.functions:

@@ -70,8 +70,10 @@ class ChoiceState:
     def add(self, chunk: GenerationChunk) -> None:
         self.last_offset = self.num_chars
         self.num_chars += len(chunk.text)
-        if chunk.logprobs is not None:
-            self.logprobs = (self.logprobs or []) + list(chunk.logprobs)
+        if chunk.logprobs is not None:  # in place: copying the list at every chunk is quadratic in its length
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs.extend(chunk.logprobs)
         if chunk.text:
             self.parts.append(chunk.text)
         self.num_tokens += len(chunk.token_ids)

@@ -11,6 +11,9 @@
   the HTTP handler can wait on it with a deadline (cancelling a queue read is always safe) and a
   client disconnect or a timeout cancels the pump, which cancels the replica calls, which aborts the
   requests in the engine and frees their KV blocks.
+- A slow reader cannot make the ingress hold an unbounded backlog: the pump counts what it holds
+  (tokens plus their logprob alternatives) and past `max_buffered` it drops the backlog, cancels the
+  replica calls (KV freed) and ends the response with a `stream_buffer_overflow` error.
 - Fan-out (`n` > 1, a batch of prompts): Serve gives every handle call made while serving one HTTP
   request that request's internal id, but routers and replicas track calls by that id (a custom
   `RequestRouter` without `FIFOMixin` matches routing results to calls by it: two calls with one id
@@ -198,14 +201,28 @@ async def start_all(streams: list[ChoiceStream]) -> list[GenerationChunk]:
         raise
 
 
-class ChoicePump:
-    """Merges the remaining chunks of several started streams into one queue of (index, chunk)."""
+def buffer_weight(chunk: GenerationChunk) -> int:
+    """What a queued chunk costs the ingress, in tokens: each token, and each logprob alternative."""
+    return max(1, len(chunk.token_ids) + sum(len(lp.top) for lp in chunk.logprobs or ()))
 
-    def __init__(self, streams: list[ChoiceStream]) -> None:
+
+class StreamBufferOverflow(APIError):
+    def __init__(self, limit: int) -> None:
+        super().__init__(503, f"the client read this stream too slowly: more than {limit} tokens were waiting to be sent; "
+                         "the request was stopped", code="stream_buffer_overflow", headers={"Retry-After": "1"})
+
+
+class ChoicePump:
+    """Merges the remaining chunks of several started streams into one queue of (index, chunk), holding
+    at most `max_buffered` tokens' worth (`buffer_weight`) that the reader has not taken yet."""
+
+    def __init__(self, streams: list[ChoiceStream], max_buffered: int | None = None) -> None:
         self.streams = streams
         self._queue: asyncio.Queue = asyncio.Queue()
         self._task: asyncio.Task | None = None
         self._num_done = 0
+        self.max_buffered = max_buffered
+        self.buffered = 0
 
     def start(self) -> ChoicePump:
         self._task = asyncio.create_task(self._run())
@@ -213,6 +230,9 @@ class ChoicePump:
 
     async def _drain(self, index: int, stream: ChoiceStream) -> None:
         async for chunk in stream.rest():
+            self.buffered += buffer_weight(chunk)
+            if self.max_buffered is not None and self.buffered > self.max_buffered:
+                raise StreamBufferOverflow(self.max_buffered)
             self._queue.put_nowait((index, chunk))
 
     async def _run(self) -> None:
@@ -221,7 +241,14 @@ class ChoicePump:
                 for i, s in enumerate(self.streams):
                     group.create_task(self._drain(i, s))
         except BaseExceptionGroup as eg:
-            self._queue.put_nowait((None, _first_error(eg)))
+            error = _first_error(eg)
+            if isinstance(error, StreamBufferOverflow):  # stop the work now and tell the reader next
+                for s in self.streams:
+                    s.close()
+                while not self._queue.empty():
+                    self._queue.get_nowait()
+                self.buffered = 0
+            self._queue.put_nowait((None, error))
             return
         self._queue.put_nowait((None, _DONE))
 
@@ -241,6 +268,7 @@ class ChoicePump:
                     return batch or None
                 raise payload
             batch.append((index, payload))
+            self.buffered -= buffer_weight(payload)
             try:
                 item = self._queue.get_nowait()
             except asyncio.QueueEmpty:

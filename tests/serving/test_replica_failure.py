@@ -2,7 +2,8 @@
 - kill one replica's actor: the other replica's requests finish, the killed replica's requests end
   with an error event (no hang), Serve brings a new replica up, and new requests succeed;
 - kill one replica's *engine loop* (injected through the stat-logger hook): its requests fail with
-  an engine error, its `check_health` fails so Serve replaces it, the other replica keeps serving;
+  an engine error, the replica leaves the routing at once (requests sent right after the death all
+  succeed on the other replica), Serve replaces it, the other replica keeps serving;
 - hang one replica's engine step (thread alive, no step finishes): its health check fails after
   `engine_stall_timeout_s`, Serve replaces it, its clients get an error, the other keeps serving.
 Each with and without stream multiplexing (there the deltas travel apart from the failing call)."""
@@ -172,6 +173,15 @@ def start_load_and_place(app, num_requests: int) -> tuple[threading.Thread, dict
     return thread, holder, wait_for(placed, 10, message=f"{num_requests} requests running")
 
 
+def engine_dead(actor) -> bool:
+    """The replica's health check fails (its engine died), or the replica is gone already."""
+    try:
+        ray.get(actor.check_health.remote(), timeout=10)
+    except Exception:  # noqa: BLE001 - a dead engine, or the replica exited
+        return True
+    return False
+
+
 def test_engine_death_fails_health_check_and_replica_is_replaced(app):
     wait_until_idle(2)
     before = set(replica_actors())
@@ -179,9 +189,17 @@ def test_engine_death_fails_health_check_and_replica_is_replaced(app):
     assert all(n >= 1 for n in placed.values()), placed
     victim = min(placed, key=lambda name: (placed[name], name))
     survivor = next(name for name in placed if name != victim)
+    actors = replica_actors()
     trigger = Path(os.environ[FAULT_FILE_ENV])
     trigger.write_text(victim)  # the replica id: its engine loop dies at its next step
     try:
+        # the dead replica leaves the routing at once: requests sent as soon as its engine is dead
+        # are served by the survivor (held, then retried), none answered 500 by the dead one
+        wait_for(lambda: engine_dead(actors[victim]), 60, message="the victim's engine died")
+        with httpx.Client(base_url=app.base_url, timeout=60) as c:
+            for _ in range(6):
+                r = c.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 2})
+                assert r.status_code == 200, r.text
         thread.join(timeout=180)
         assert not thread.is_alive(), "requests hung after the engine died"
         results = holder["results"]
