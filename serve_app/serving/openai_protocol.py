@@ -20,6 +20,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from serve_app.generation_config import GenerationDefaults
+from serve_app.serving.cache_salt import MAX_REQUEST_SALT_CHARS
 from serve_app.types import SamplingParams
 
 MAX_TEMPERATURE = 2.0  # OpenAI's limit
@@ -79,6 +80,7 @@ class _SamplingFields(_Request):
     stop_token_ids: list[int] | None = None  # extension
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    cache_salt: str | None = None  # vLLM's: a prefix-cache namespace (serving.cache_salt)
     ignore_eos: bool = False  # extension
     speculative: bool = True  # extension
     # accepted and ignored: they do not change the output
@@ -103,6 +105,8 @@ class _SamplingFields(_Request):
             raise ValueError(f"temperature: must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature!r}")
         if self.logit_bias:
             raise UnsupportedParameterError("logit_bias", "is not supported by this server")
+        if self.cache_salt is not None and not 1 <= len(self.cache_salt) <= MAX_REQUEST_SALT_CHARS:
+            raise ValueError(f"cache_salt: must be a non-empty string of at most {MAX_REQUEST_SALT_CHARS} characters")
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None, choice_index: int,
                          defaults: GenerationDefaults | None) -> SamplingParams:
