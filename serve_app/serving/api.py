@@ -17,7 +17,8 @@ router hashes exactly the blocks the engine will look up and the replica does no
 Bad prompts are rejected here with the engine's 400. Each request's prefix-cache salt
 (`serving.cache_salt`) comes from its tenant (`prefix_cache_salt`) and its own `cache_salt`, so
 tenants never share (or time) each other's prefixes. `/health` answers from the status the replicas
-push (`serving.health_status`), not from a call per probe. Each generation request is logged with its
+answers from the engine status of at most one replica call per second (`serving.health_status`), not
+from a call per probe. Each generation request is logged with its
 tenant (never its key).
 """
 
@@ -40,6 +41,7 @@ from serve_app.config import ServeConfig
 from serve_app.serving.api_keys import Keyring
 from serve_app.serving.cache_salt import cache_salt
 from serve_app.serving.errors import APIError, to_api_error, validation_error
+from serve_app.serving.health_status import HealthStatus
 from serve_app.serving.middleware import (
     ANONYMOUS,
     APIKeyMiddleware,
@@ -55,6 +57,7 @@ from serve_app.types import GenerateRequest
 logger = logging.getLogger("ray.serve")
 
 HEALTH_TIMEOUT_S = 10.0
+HEALTH_PERIOD_S = 1.0  # at most one engine check per this long per ingress replica, whatever the probe rate
 # engine messages say "prompt: ..." for chat requests too; the client sent "messages"
 CHAT_PARAM_ALIASES = {"prompt": "messages"}
 
@@ -83,6 +86,7 @@ class OpenAIAPI:
         self.input_processor = input_processor  # serve_app.engine.input_processor.InputProcessor, or None
         self.mux = mux  # this ingress's stream channel with stream multiplexing, else None
         self.keyring = keyring  # the API keys (None: open API)
+        self.health_status = HealthStatus(lambda: self.llm.check_health.remote(), HEALTH_PERIOD_S, HEALTH_TIMEOUT_S)
 
     def _stream(self, request: GenerateRequest, call_suffix: str) -> ChoiceStream:
         retries = self.config.replica_failure_retries
@@ -116,10 +120,8 @@ class OpenAIAPI:
         return self.model_card()
 
     async def health(self) -> Response:
-        try:
-            async with asyncio.timeout(HEALTH_TIMEOUT_S):
-                await self.llm.check_health.remote()
-        except Exception as exc:  # noqa: BLE001 - any failure means: not healthy
+        exc = await self.health_status.current()
+        if exc is not None:
             error = to_api_error(exc, retry_after_s=self.config.retry_after_s)
             return APIError(503, f"unhealthy: {error.message}", code="unhealthy", headers={"Retry-After": str(self.config.retry_after_s)}).response()
         return JSONResponse({"status": "ok", "model": self.info.name})
@@ -248,7 +250,7 @@ def build_fastapi_app(api: OpenAIAPI, api_key: str = "", record: Callable[[str, 
         return APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", code=code,
                         headers=dict(exc.headers or {})).response()
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         return await api.health()
 
