@@ -223,6 +223,7 @@ class EngineConfig:
 
 
 BACKENDS = ("native", "vllm")
+PREFIX_CACHE_SALTS = ("auto", "tenant", "api_key", "none")
 
 
 @dataclass(frozen=True)
@@ -244,8 +245,12 @@ class ServeConfig:
     `torch_num_threads` 0 means every core of the machine (Ray pins fractional-CPU actors to one
     OpenMP thread otherwise). The API key is never part of the config (which Serve keeps in its
     controller state and shows on its dashboard): each ingress replica reads it from the environment
-    variable named by `api_key_env` (default `SERVE_APP_API_KEY`) in its own process; unset or empty
-    means no authentication.
+    variable named by `api_key_env` (default `SERVE_APP_API_KEY`, tenant `default`) in its own
+    process, and/or one key per tenant from `api_keys_file` (a `tenant: key` file, or a directory
+    with one file per tenant such as a mounted Secret), re-read when it changes (checked every
+    `api_keys_reload_s`; serving.api_keys). Without any key the API is open, which is refused at
+    start-up when Serve's HTTP host is not loopback unless `allow_unauthenticated` is true
+    (serving.exposure, docs/security.md).
     Liveness (docs/operations.md): `check_health` (every `health_check_period_s`) fails once the
     engine died, or once it has had work pending and finished no step for `engine_stall_timeout_s`
     (a hung step); Serve then replaces the replica. A replica being removed (scale-down, redeploy)
@@ -272,7 +277,9 @@ class ServeConfig:
     `round_robin`); `router_kwargs` tune the first two (names in
     `serving.routing_policy.KVRouterSettings`); `request_router_class` plugs in any other router.
     The ingress tokenizes prompts (`tokenize_in_ingress`) so that routers hash the engine's blocks;
-    `prefix_cache_salt: api_key` gives each API key (bearer token) its own prefix-cache namespace.
+    `prefix_cache_salt` keeps tenants' cached prefixes apart: `tenant` salts each request by its
+    tenant, `auto` (the default) does so whenever more than one tenant has a key, `api_key` by a
+    digest of the bearer token, `none` shares one cache; a request's own `cache_salt` adds to it.
     Robustness (docs/failure-handling.md): a stream's chunks waiting for a slow reader are bounded by
     `max_stream_buffer_tokens` (beyond it the stream ends with an error and its work is cancelled);
     `exit_on_engine_death` makes a replica whose engine died exit at once, so routers drop it and the
@@ -320,9 +327,12 @@ class ServeConfig:
     replica_failure_retries: int = 1
     retry_after_s: int = 1
     api_key_env: str = "SERVE_APP_API_KEY"  # "" disables authentication whatever the environment holds
+    api_keys_file: str = ""  # tenant keys: a `tenant: key` file or a directory of one file per tenant
+    api_keys_reload_s: float = 5.0  # how often the keys file is checked for changes
+    allow_unauthenticated: bool = False  # true: start without a key even on a non-loopback HTTP host
     log_requests: bool = False  # log prompts and outputs (off: only ids, sizes and timings)
     tokenize_in_ingress: bool = True  # token ids travel with the request (needs the model's tokenizer files on ingress nodes)
-    prefix_cache_salt: str = "none"  # none (one shared prefix cache) | api_key (one per bearer token)
+    prefix_cache_salt: str = "auto"  # auto | tenant | api_key | none (one shared prefix cache)
     # robustness (docs/failure-handling.md)
     max_stream_buffer_tokens: int = 65536  # tokens (+ logprob alternatives) one stream may hold for a slow reader
     openapi_docs: bool = False  # serve /openapi.json and /docs (the API's schema, e.g. for fuzzers)
@@ -373,7 +383,10 @@ class ServeConfig:
         from serve_app.serving.routing_policy import ROUTER_CLASSES, KVRouterSettings  # no Ray import
 
         _require(self.router in ROUTER_CLASSES, "router", f"must be one of {tuple(ROUTER_CLASSES)}, got {self.router!r}")
-        _require(self.prefix_cache_salt in ("none", "api_key"), "prefix_cache_salt", "must be 'none' or 'api_key'")
+        _require(self.prefix_cache_salt in PREFIX_CACHE_SALTS, "prefix_cache_salt", f"must be one of {PREFIX_CACHE_SALTS}")
+        _require(isinstance(self.allow_unauthenticated, bool), "allow_unauthenticated", "must be true or false")
+        _require(isinstance(self.api_keys_file, str), "api_keys_file", "must be a path")
+        _require(self.api_keys_reload_s > 0, "api_keys_reload_s", "must be > 0")
         if self.router_kwargs:
             _require(self.router in ("prefix_aware", "kv_aware") and not self.request_router_class, "router_kwargs",
                      "only the prefix_aware and kv_aware routers take options")

@@ -175,7 +175,9 @@ class VLLMBackend(Backend):
             # that the request is known to be queued (and its stream's headers can go out) before
             # its first token, which can be a long queue away
             try:
-                queue = await engine.add_request(request.request_id, self._tokens_input(prompt_ids), params)
+                # the salt keeps this request's cached prefix apart from other tenants' (vLLM hashes it into its blocks)
+                salt = {"cache_salt": request.cache_salt} if request.cache_salt is not None else {}
+                queue = await engine.add_request(request.request_id, self._tokens_input(prompt_ids, **salt), params)
             except asyncio.CancelledError:  # cancelled while being added: it may be in the engine core already
                 await asyncio.shield(engine.abort(request.request_id))
                 raise
@@ -198,7 +200,8 @@ class VLLMBackend(Backend):
                 reason = finish_reason(completion.finish_reason) if out.finished else None
                 metrics = RequestMetrics(arrival_time=arrival, first_token_time=first_token_time,
                                          finished_time=now if out.finished else None,
-                                         num_prompt_tokens=len(prompt_ids), num_generation_tokens=num_tokens)
+                                         num_prompt_tokens=len(prompt_ids), num_generation_tokens=num_tokens,
+                                         num_cached_tokens=int(getattr(out, "num_cached_tokens", None) or 0))
                 finished = out.finished
                 if reason == FinishReason.ABORT:
                     self.stats.record_aborted(metrics)

@@ -28,6 +28,8 @@ TARGET_REPLICA_LABEL = "target_replica"
 ROUTING_REASON_LABEL = "reason"  # cache_hit | spill | load | fallback (serving.prefix_policy)
 PATH_LABELS = ("linear", "attention", "amx", "batch_invariant", "self_check")  # engine/execution_paths.py
 PREDICTION_SOURCE_LABEL = "source"  # exact (replica's cache events) | approximate (router's own history)
+TENANT_LABEL = "tenant"  # the API key's tenant name (never the key); anonymous without keys
+STATUS_LABEL = "status"  # an HTTP status code
 
 
 @dataclass(frozen=True)
@@ -173,6 +175,12 @@ ROUTER_ACTUAL_CACHED_TOKENS = MetricSpec(
     "Cached prompt tokens the engines reported, for the same requests (predicted - actual: the signed error).",
     labels=(PREDICTION_SOURCE_LABEL, TARGET_REPLICA_LABEL))
 
+# ---- API metrics (recorded by the ingress, per HTTP response) ---------------------------------------
+API_REQUESTS = MetricSpec(
+    "llm_api_requests_total", "counter",
+    "HTTP API responses by tenant (the API key's name; unauthenticated for rejected keys) and status code.",
+    labels=(TENANT_LABEL, STATUS_LABEL))
+
 ENGINE_METRICS: tuple[MetricSpec, ...] = (
     STEP_BATCH_SIZE, STEP_NUM_TOKENS, STEP_DURATION,
     TIME_TO_FIRST_TOKEN, TIME_PER_OUTPUT_TOKEN, E2E_REQUEST_LATENCY, REQUEST_QUEUE_TIME,
@@ -182,7 +190,8 @@ ENGINE_METRICS: tuple[MetricSpec, ...] = (
 )
 ROUTER_METRICS: tuple[MetricSpec, ...] = (ROUTER_STATS_AGE, ROUTER_ROUTED_REQUESTS, ROUTER_DECISIONS, ROUTER_CACHED_TOKENS_ABS_ERROR,
                                           ROUTER_PREDICTED_CACHED_TOKENS, ROUTER_ACTUAL_CACHED_TOKENS)
-ALL_METRICS: tuple[MetricSpec, ...] = ENGINE_METRICS + ROUTER_METRICS
+API_METRICS: tuple[MetricSpec, ...] = (API_REQUESTS,)
+ALL_METRICS: tuple[MetricSpec, ...] = ENGINE_METRICS + ROUTER_METRICS + API_METRICS
 BY_NAME: dict[str, MetricSpec] = {m.name: m for m in ALL_METRICS}
 
 

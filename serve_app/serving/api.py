@@ -14,15 +14,18 @@ choice is sent. Prompts and outputs are never logged.
 With an `input_processor` (the engine's own `InputProcessor`, built by the ingress), each prompt is
 tokenized (chat template applied) once, here: the engine requests carry `prompt_token_ids`, so the
 router hashes exactly the blocks the engine will look up and the replica does not tokenize again.
-Bad prompts are rejected here with the engine's 400. With `prefix_cache_salt: api_key`, requests are
-salted with a digest of their bearer token, so tenants never share (or time) each other's prefixes.
+Bad prompts are rejected here with the engine's 400. Each request's prefix-cache salt
+(`serving.cache_salt`) comes from its tenant (`prefix_cache_salt`) and its own `cache_salt`, so
+tenants never share (or time) each other's prefixes. `/health` answers from the status the replicas
+answers from the engine status of at most one replica call per second (`serving.health_status`), not
+from a call per probe. Each generation request is logged with its
+tenant (never its key).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hashlib
 import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -36,8 +39,16 @@ from starlette.types import Receive, Scope, Send
 
 from serve_app.backends.base import ModelInfo
 from serve_app.config import ServeConfig
+from serve_app.serving.api_keys import Keyring
+from serve_app.serving.cache_salt import cache_salt
 from serve_app.serving.errors import APIError, to_api_error, validation_error
-from serve_app.serving.middleware import APIKeyMiddleware, BodySizeLimitMiddleware
+from serve_app.serving.health_status import HealthStatus
+from serve_app.serving.middleware import (
+    ANONYMOUS,
+    APIKeyMiddleware,
+    BodySizeLimitMiddleware,
+    ProbeMethodMiddleware,
+)
 from serve_app.serving.openai_protocol import ChatCompletionRequest, CompletionRequest
 from serve_app.serving.responses import DONE_EVENT, KEEPALIVE_EVENT, ChoiceState, ResponseBuilder
 from serve_app.serving.stream_mux import MuxReceiver
@@ -47,6 +58,7 @@ from serve_app.types import GenerateRequest
 logger = logging.getLogger("ray.serve")
 
 HEALTH_TIMEOUT_S = 10.0
+HEALTH_PERIOD_S = 1.0  # at most one engine check per this long per ingress replica, whatever the probe rate
 # engine messages say "prompt: ..." for chat requests too; the client sent "messages"
 CHAT_PARAM_ALIASES = {"prompt": "messages"}
 
@@ -68,7 +80,7 @@ class _ClosingStreamingResponse(StreamingResponse):
 
 class OpenAIAPI:
     def __init__(self, llm_handle, config: ServeConfig, info: ModelInfo, input_processor=None,
-                 mux: MuxReceiver | None = None) -> None:
+                 mux: MuxReceiver | None = None, keyring: Keyring | None = None) -> None:
         self.llm = llm_handle
         self.config = config
         self.info = info
@@ -76,6 +88,8 @@ class OpenAIAPI:
         # one thread: HF fast tokenizers are not safe to call from several threads at once ("Already borrowed")
         self._tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         self.mux = mux  # this ingress's stream channel with stream multiplexing, else None
+        self.keyring = keyring  # the API keys (None: open API)
+        self.health_status = HealthStatus(lambda: self.llm.check_health.remote(), HEALTH_PERIOD_S, HEALTH_TIMEOUT_S)
 
     def _stream(self, request: GenerateRequest, call_suffix: str) -> ChoiceStream:
         retries = self.config.replica_failure_retries
@@ -94,11 +108,11 @@ class OpenAIAPI:
             ids = tuple(processed.prompt_token_ids)
         return dataclasses.replace(request, prompt_token_ids=ids, cache_salt=salt)
 
-    def cache_salt(self, authorization: str | None) -> str | None:
-        """The prefix-cache salt of a request with this Authorization header (None: shared cache)."""
-        if self.config.prefix_cache_salt != "api_key" or not authorization:
-            return None
-        return hashlib.sha256(authorization.encode()).hexdigest()[:32]
+    def cache_salt(self, tenant: str | None, authorization: str | None, request_salt: str | None = None) -> str | None:
+        """The prefix-cache salt of a request from `tenant` (None: the shared cache)."""
+        keyring = self.keyring if self.keyring is not None and self.keyring.enabled else None
+        return cache_salt(self.config.prefix_cache_salt, tenant if keyring is not None else None,
+                          keyring.num_tenants if keyring is not None else 0, authorization, request_salt)
 
     # ---- GET ------------------------------------------------------------------------------------
     def model_card(self) -> dict:
@@ -113,10 +127,8 @@ class OpenAIAPI:
         return self.model_card()
 
     async def health(self) -> Response:
-        try:
-            async with asyncio.timeout(HEALTH_TIMEOUT_S):
-                await self.llm.check_health.remote()
-        except Exception as exc:  # noqa: BLE001 - any failure means: not healthy
+        exc = await self.health_status.current()
+        if exc is not None:
             error = to_api_error(exc, retry_after_s=self.config.retry_after_s)
             return APIError(503, f"unhealthy: {error.message}", code="unhealthy", headers={"Retry-After": str(self.config.retry_after_s)}).response()
         return JSONResponse({"status": "ok", "model": self.info.name})
@@ -228,9 +240,12 @@ class OpenAIAPI:
             yield to_api_error(exc, retry_after_s=self.config.retry_after_s, param_aliases=aliases).sse_event() + DONE_EVENT
 
 
-def build_fastapi_app(api: OpenAIAPI, api_key: str = "") -> FastAPI:
-    """The ASGI app: routes + OpenAI error bodies for every failure + API key + body-size limit; with
-    `openapi_docs` also the API's OpenAPI schema (/openapi.json) and its Swagger UI (/docs)."""
+def build_fastapi_app(api: OpenAIAPI, api_key: str = "", record: Callable[[str, int], None] | None = None) -> FastAPI:
+    """The ASGI app: routes + OpenAI error bodies for every failure + API keys + body-size limit; with
+    `openapi_docs` also the API's OpenAPI schema (/openapi.json) and its Swagger UI (/docs).
+
+    The keys are `api.keyring`, or else one key `api_key` (tenant `default`); neither: an open API.
+    `record(tenant, status)` is called once per response (the API metrics)."""
     docs = api.config.openapi_docs
     app = FastAPI(title="serve_app OpenAI-compatible API", docs_url="/docs" if docs else None, redoc_url=None,
                   openapi_url="/openapi.json" if docs else None)
@@ -245,7 +260,7 @@ def build_fastapi_app(api: OpenAIAPI, api_key: str = "") -> FastAPI:
         return APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", code=code,
                         headers=dict(exc.headers or {})).response()
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         return await api.health()
 
@@ -260,22 +275,32 @@ def build_fastapi_app(api: OpenAIAPI, api_key: str = "") -> FastAPI:
         except Exception as exc:  # noqa: BLE001
             return api.error(exc)
 
+    def salt(body, request: Request) -> str | None:
+        tenant = getattr(request.state, "tenant", None)
+        logger.info("%s request from tenant %s", request.url.path.rsplit("/", 1)[-1], tenant or ANONYMOUS)
+        return api.cache_salt(tenant, request.headers.get("authorization"), body.cache_salt)
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         try:
-            return await api.completions(body, api.cache_salt(request.headers.get("authorization")))
+            return await api.completions(body, salt(body, request))
         except Exception as exc:  # noqa: BLE001
             return api.error(exc)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         try:
-            return await api.chat_completions(body, api.cache_salt(request.headers.get("authorization")))
+            return await api.chat_completions(body, salt(body, request))
         except Exception as exc:  # noqa: BLE001
             return api.error(exc, CHAT_PARAM_ALIASES)
 
+    if api.keyring is None and api_key:
+        api.keyring = Keyring(env_key=api_key)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=api.config.max_request_bytes)
-    if api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=api_key)  # added last = runs first
-    logger.info("API routes ready (model %r, API key %s)", api.info.name, "required" if api_key else "not required")
+    # added later = runs earlier: probe methods, then the key, then the body
+    app.add_middleware(APIKeyMiddleware, keyring=api.keyring, record=record)
+    app.add_middleware(ProbeMethodMiddleware)
+    enabled = api.keyring is not None and api.keyring.enabled
+    logger.info("API routes ready (model %r, API keys %s)", api.info.name,
+                f"required ({api.keyring.num_tenants} tenant(s))" if enabled else "not required")
     return app

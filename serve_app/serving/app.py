@@ -81,9 +81,10 @@ def build_app_from_config(config: ServeConfig) -> Application:
     ).bind(server, config)  # no key here: init args live in Serve's controller state
     replicas = (f"{autoscaling.min_replicas}-{autoscaling.max_replicas} (autoscaling)" if autoscaling
                 else str(config.num_replicas))
-    logger.info("serving %s (%s LLMServer replica(s), router %s, API key from %s)", config.model_name, replicas,
+    sources = [s for s in (f"${config.api_key_env}" if config.api_key_env else "", config.api_keys_file) if s]
+    logger.info("serving %s (%s LLMServer replica(s), router %s, API keys from %s)", config.model_name, replicas,
                 config.request_router_class or config.router,
-                f"${config.api_key_env} in each ingress replica" if config.api_key_env else "nowhere (no authentication)")
+                " and ".join(sources) + " in each ingress replica" if sources else "nowhere (no authentication)")
     return ingress
 
 

@@ -7,9 +7,11 @@ so a RUNNING ingress means the API can serve; it then logs the URL clients use. 
 prompts are tokenized here, once (the router hashes those ids; replicas do not tokenize again).
 With `stream_multiplexing` it opens this replica's stream channel (`serving.stream_mux`).
 
-The API key is read here, in the replica's own process, from the environment variable the config
-names (`api_key_env`): it never travels as a deployment argument, which Serve would keep in its
-controller state and show on its dashboard.
+The API keys are read here, in the replica's own process, from the environment variable the config
+names (`api_key_env`) and the keys file (`api_keys_file`): they never travel as deployment
+arguments, which Serve would keep in its controller state and show on its dashboard. Before anything
+else the replica fails closed: no key while Serve's HTTP host is not loopback raises (the replica,
+and so the deployment, never starts) unless the config allows it (`serving.exposure`).
 """
 
 from __future__ import annotations
@@ -26,7 +28,10 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from serve_app.config import ServeConfig
+from serve_app.metrics.api_metrics import APIMetrics
 from serve_app.serving.api import OpenAIAPI, build_fastapi_app
+from serve_app.serving.api_keys import Keyring
+from serve_app.serving.exposure import check_exposure, serve_http_host
 from serve_app.serving.stream_mux import MuxReceiver
 
 logger = logging.getLogger("ray.serve")
@@ -47,22 +52,34 @@ def api_key_from_env(variable: str) -> str:
     """The API key in environment variable `variable` ("" when unset, or when `variable` is "")."""
     key = os.environ.get(variable, "").strip() if variable else ""
     if variable and not key:
-        logger.warning("no API key: $%s is not set in this ingress replica, the API is open", variable)
+        logger.warning("no API key in $%s in this ingress replica", variable)
     return key
+
+
+async def load_keyring(config: ServeConfig) -> Keyring:
+    """The replica's API keys; raises (the replica does not start) when the keys file is unusable,
+    or when there is no key and Serve's HTTP host is not loopback and the config does not allow it."""
+    keyring = Keyring(api_key_from_env(config.api_key_env), config.api_keys_file, config.api_keys_reload_s)
+    check_exposure(await serve_http_host(), keyring.enabled, config.allow_unauthenticated)
+    if keyring.enabled:
+        logger.info("API keys: %d tenant(s)%s", keyring.num_tenants,
+                    f", from {config.api_keys_file} (reloaded when it changes)" if config.api_keys_file else "")
+    return keyring
 
 
 @serve.deployment(name="OpenAIIngress")
 @serve.ingress()
 class OpenAIIngress:
     async def __init__(self, llm: DeploymentHandle, config: ServeConfig) -> None:
-        self._api_key = api_key_from_env(config.api_key_env)
+        keyring = await load_keyring(config)
         info = await llm.model_info.remote()
         mux = None
         if config.stream_multiplexing:
             mux = await MuxReceiver().start(ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address())
-        self.api = OpenAIAPI(llm, config, info, make_input_processor(config, info.max_model_len), mux)
+        self.api = OpenAIAPI(llm, config, info, make_input_processor(config, info.max_model_len), mux, keyring)
+        self._metrics = APIMetrics.for_ray(info.name)
         logger.info("OpenAI-compatible API ready: model %r (context %d tokens, backend %s)",
                     info.name, info.max_model_len, info.backend)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
-        return build_fastapi_app(self.api, self._api_key)
+        return build_fastapi_app(self.api, record=self._metrics.record)

@@ -1,12 +1,17 @@
 """Pure-ASGI guards in front of the API routes (streaming responses pass through untouched).
 
-- `APIKeyMiddleware`: with a key configured, every HTTP request needs `Authorization: Bearer <key>`
-  (constant-time comparison), whatever its path, unknown routes included; otherwise 401 with an
-  OpenAI error body and `WWW-Authenticate: Bearer`. Only the health probe (`/health` below the app's
-  mount point) stays open. The mount point matters: Ray Serve keeps an application's
-  `route_prefix` in `scope["path"]` and states it in `scope["root_path"]`, so `/llm/v1/models` is
-  the app's `/v1/models` under `route_prefix: /llm`; anything that is not exactly the probe is
-  checked, so a prefix can never open a route.
+- `ProbeMethodMiddleware` (outermost): the open probe (`/health`) answers GET and HEAD only; any
+  other method gets 405 at once, before authentication and before a byte of its body is read.
+- `APIKeyMiddleware`: with API keys configured (`api_keys.Keyring`), every HTTP request needs
+  `Authorization: Bearer <key>` of some tenant, whatever its path, unknown routes included;
+  otherwise 401 with an OpenAI error body and `WWW-Authenticate: Bearer`. The tenant's name goes
+  into `scope["state"]["tenant"]` (routes read it as `request.state.tenant`); the key itself is
+  never stored or logged. Only the probe stays open. The mount point matters: Ray Serve keeps an
+  application's `route_prefix` in `scope["path"]` and states it in `scope["root_path"]`, so
+  `/llm/v1/models` is the app's `/v1/models` under `route_prefix: /llm`; anything that is not
+  exactly the probe is checked, so a prefix can never open a route. Without keys every request's
+  tenant is `anonymous`. `record(tenant, status)`, when given, is called once per response (a
+  rejected key counts as tenant `unauthenticated`).
 - `BodySizeLimitMiddleware`: a body larger than `max_bytes` is answered 413 before any route runs:
   at once when `Content-Length` says so, otherwise (chunked uploads) as soon as the received bytes
   pass the limit. The body is buffered (requests are small JSON) and replayed to the app.
@@ -14,11 +19,17 @@
 
 from __future__ import annotations
 
-import hmac
+from collections.abc import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from serve_app.serving.api_keys import Keyring
 from serve_app.serving.errors import APIError
+
+ANONYMOUS = "anonymous"
+UNAUTHENTICATED = "unauthenticated"
+PROBE_PATHS = ("/health",)
+PROBE_METHODS = ("GET", "HEAD")
 
 
 async def _send_error(send: Send, error: APIError) -> None:
@@ -30,33 +41,71 @@ async def _no_receive() -> Message:  # pragma: no cover - a Response never reads
     return {"type": "http.disconnect"}
 
 
-class APIKeyMiddleware:
-    def __init__(self, app: ASGIApp, api_key: str, open_paths: tuple[str, ...] = ("/health",)) -> None:
-        if not api_key:
-            raise ValueError("api_key: must not be empty when authentication is enabled")
-        self.app = app
-        self._expected = f"Bearer {api_key}".encode()
-        self._open_paths = frozenset(open_paths)
+def app_path(scope: Scope) -> str:
+    """The request's path relative to where the app is mounted (its `route_prefix`)."""
+    path, root = scope["path"], scope.get("root_path", "")
+    if root and path.startswith(root):
+        path = path[len(root):]
+    return path
 
-    def _is_open(self, scope: Scope) -> bool:
-        """The request is for an open path of this app, relative to where the app is mounted."""
-        path, root = scope["path"], scope.get("root_path", "")
-        if root and path.startswith(root):
-            path = path[len(root):]
-        return path in self._open_paths
+
+class ProbeMethodMiddleware:
+    def __init__(self, app: ASGIApp, probe_paths: tuple[str, ...] = PROBE_PATHS) -> None:
+        self.app = app
+        self._probe_paths = frozenset(probe_paths)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and not self._is_open(scope):
+        if scope["type"] == "http" and scope["method"] not in PROBE_METHODS and app_path(scope) in self._probe_paths:
+            await _send_error(send, APIError(405, f"{scope['method']} {scope['path']}: Method Not Allowed",
+                                             code="method_not_allowed", headers={"Allow": ", ".join(PROBE_METHODS)}))
+            return
+        await self.app(scope, receive, send)
+
+
+class APIKeyMiddleware:
+    def __init__(self, app: ASGIApp, keyring: Keyring | None = None, open_paths: tuple[str, ...] = PROBE_PATHS,
+                 record: Callable[[str, int], None] | None = None) -> None:
+        self.app = app
+        self._keyring = keyring if keyring is not None and keyring.enabled else None
+        self._open_paths = frozenset(open_paths)
+        self._record = record
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        tenant = ANONYMOUS
+        if self._keyring is not None and app_path(scope) not in self._open_paths:
             supplied = b""
             for name, value in scope.get("headers", ()):
                 if name == b"authorization":
                     supplied = value
                     break
-            if not hmac.compare_digest(supplied, self._expected):
+            found = self._keyring.tenant_for(supplied)
+            if found is None:
                 message = "missing API key: send 'Authorization: Bearer <key>'" if not supplied else "invalid API key"
                 await _send_error(send, APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}))
+                self._count(UNAUTHENTICATED, 401)
                 return
-        await self.app(scope, receive, send)
+            tenant = found
+        scope.setdefault("state", {})["tenant"] = tenant
+        if self._record is None:
+            await self.app(scope, receive, send)
+            return
+
+        async def counting_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                self._count(tenant, message["status"])
+            await send(message)
+
+        await self.app(scope, receive, counting_send)
+
+    def _count(self, tenant: str, status: int) -> None:
+        if self._record is not None:
+            try:
+                self._record(tenant, status)
+            except Exception:  # noqa: BLE001 - metrics never fail a request
+                pass
 
 
 class BodySizeLimitMiddleware:

@@ -34,6 +34,7 @@ from serve_app.request_limits import (
     MAX_USER_CHARS,
     wrap_int64,
 )
+from serve_app.serving.cache_salt import MAX_REQUEST_SALT_CHARS
 from serve_app.types import SamplingParams
 
 # bounded strings and lists: pydantic rejects them before anything else looks at the request, with a
@@ -96,6 +97,7 @@ class _SamplingFields(_Request):
     stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)  # extension
     logit_bias: dict[str, float] | None = None  # rejected unless empty (unsupported)
     user: str | None = Field(default=None, max_length=MAX_USER_CHARS)
+    cache_salt: str | None = None  # vLLM's: a prefix-cache namespace (serving.cache_salt)
     ignore_eos: bool = False  # extension
     speculative: bool = True  # extension
     # accepted and ignored: they do not change the output
@@ -120,6 +122,8 @@ class _SamplingFields(_Request):
             raise ValueError(f"temperature: must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature!r}")
         if self.logit_bias:
             raise UnsupportedParameterError("logit_bias", "is not supported by this server")
+        if self.cache_salt is not None and not 1 <= len(self.cache_salt) <= MAX_REQUEST_SALT_CHARS:
+            raise ValueError(f"cache_salt: must be a non-empty string of at most {MAX_REQUEST_SALT_CHARS} characters")
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None, choice_index: int,
                          defaults: GenerationDefaults | None) -> SamplingParams:

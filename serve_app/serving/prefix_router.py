@@ -33,6 +33,7 @@ from typing import Any
 from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, RunningReplica
 
 from serve_app.block_hash import leading_run, prompt_block_keys
+from serve_app.serving.expiring_map import ExpiringMap
 from serve_app.serving.prefix_index import PrefixIndex
 from serve_app.serving.prefix_policy import (
     PrefixCandidate,
@@ -51,6 +52,8 @@ from serve_app.serving.routing_policy import (
     rank_replicas,
 )
 
+EXPIRE_PER_DECISION = 256  # expiry records one decision may look at (more than one decision ever adds)
+
 
 class PrefixAwareRouter(KVCacheAwareRouter):
     """Ranks replicas by predicted TTFT from their exact cache contents (see module docstring)."""
@@ -62,9 +65,12 @@ class PrefixAwareRouter(KVCacheAwareRouter):
         self.users = StickyUsers()
         self._stats_seen: dict[str, int] = {}  # replica → id() of the stats dict last folded in
         self._pending: dict[str, frozenset[int]] = {}  # replica → block keys of prompts it holds, not yet prefilled
-        # internal id → (request, chosen replica, predicted cached tokens by replica), until Serve confirms
-        self._choices: dict[str, tuple[Any, str, dict[str, int]]] = {}
-        self.predictions: dict[str, tuple[int, str, float]] = {}  # request id → (predicted cached tokens, source, at)
+        # internal id → (request, chosen replica, predicted cached tokens by replica), until Serve confirms;
+        # a choice whose routing was cancelled goes with its ledger reservation's TTL
+        self._choices: ExpiringMap[str, tuple[Any, str, dict[str, int]]] = ExpiringMap(settings.reservation_ttl_s)
+        # request id → (predicted cached tokens, source, at), until the replica reports; a report that
+        # never comes (lost, the replica left) ends with the request's own lifetime
+        self.predictions: ExpiringMap[str, tuple[int, str, float]] = ExpiringMap(settings.confirmed_ttl_s)
         # request id → (predicted, actual cached tokens, prompt tokens), the newest 10k (tests, benchmarks)
         self.matched_predictions: OrderedDict[str, tuple[int, int, int]] = OrderedDict()
         self.last_candidates: list[PrefixCandidate] = []
@@ -190,7 +196,7 @@ class PrefixAwareRouter(KVCacheAwareRouter):
                                 prefill_done_at=done_at)
             if keys is not None:
                 self.recent.add(order[0], now, keys, internal_id)
-                self._choices[internal_id] = (request, order[0], cached)
+                self._choices.set(internal_id, (request, order[0], cached), now)
         return [[by_id[replica_id]] for replica_id in order]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult) -> None:
@@ -204,17 +210,17 @@ class PrefixAwareRouter(KVCacheAwareRouter):
         if target != chosen:  # the chosen replica was full: the prefix goes to the cache of this one
             self.recent.add(target, self._get_curr_time_s(), self._request_keys(request), internal_id)
         source = "exact" if self.index.tracks(target) else "approximate"
-        self.predictions[request.request_id] = (cached.get(target, 0), source, self._get_curr_time_s())
+        now = self._get_curr_time_s()
+        self.predictions.set(request.request_id, (cached.get(target, 0), source, now), now)
         self.users.set(request.user, target)
 
     def _expire_predictions(self, now: float) -> None:
-        """Forget predictions never matched by a report (a lost report, a replica that left)."""
-        ttl = self.settings.confirmed_ttl_s
-        if len(self.predictions) > 64:
-            for request_id in [r for r, (_, _, at) in self.predictions.items() if now - at > ttl]:
-                del self.predictions[request_id]
-        for internal_id in [i for i in self._choices if i not in self.ledger.entries]:  # routing cancelled
-            del self._choices[internal_id]
+        """Forget predictions never matched by a report and choices never confirmed: amortized O(1)
+        per decision (`ExpiringMap`), not a scan of everything outstanding; a decision looks at no more
+        than `EXPIRE_PER_DECISION` records of each, so entries that fall due together are spread over
+        later decisions instead of stalling one."""
+        self.predictions.expire(now, EXPIRE_PER_DECISION)
+        self._choices.expire(now, EXPIRE_PER_DECISION)
 
     def _forget(self, replica_id: ReplicaID) -> None:
         super()._forget(replica_id)

@@ -6,7 +6,8 @@ so with one item per stream the replica → ingress hop costs per token. Multipl
 (`ServeConfig.stream_multiplexing`):
 
 - each ingress replica listens on its own authenticated TCP channel (`serving.delta_channel`,
-  `MuxReceiver`); its address and secret travel with every request it sends;
+  `MuxReceiver`); its address and secret travel with every request it sends; frames are msgpack
+  data (`serving.delta_codec`), never objects;
 - a request still goes to an LLMServer replica as a Serve call (`generate_muxed`), routed by the
   router as usual: that call returns the admission chunk (invalid input, backpressure and failures
   surface there, before any byte is sent) and then the first token (time to first token: no wait
@@ -26,28 +27,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import pickle
 import time
 from collections.abc import Callable
 from typing import Any
 
 from serve_app.serving.delta_channel import ChannelAddress, ChannelSender, ChannelServer
-from serve_app.serving.stream_batching import GenerationChunk, StreamBatcher
+from serve_app.serving.delta_codec import decode_batch, encode_batch
+from serve_app.serving.stream_batching import StreamBatcher
 from serve_app.types import RequestOutput
 
 logger = logging.getLogger("ray.serve")
 
-def encode_batch(items: list[tuple[str, GenerationChunk]]) -> bytes:
-    """(request id, chunk) pairs as one frame (plain tuples pickle several times faster than
-    dataclasses; only frames from authenticated connections are decoded)."""
-    return pickle.dumps([(request_id, (c.text, c.token_ids, c.finished, c.finish_reason, c.num_prompt_tokens,
-                                       c.num_cached_tokens, c.logprobs)) for request_id, c in items],
-                        protocol=pickle.HIGHEST_PROTOCOL)
-
-
-def decode_batch(blob: bytes) -> list[tuple[str, GenerationChunk]]:
-    return [(request_id, GenerationChunk(*fields)) for request_id, fields in pickle.loads(blob)]
-
+__all__ = ["ChannelSenders", "MuxReceiver", "MuxSender", "decode_batch", "encode_batch"]
 
 class MuxSender:
     """Replica side, one per ingress: merges the deltas of that ingress's streams and pushes what is due.

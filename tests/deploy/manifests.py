@@ -24,6 +24,7 @@ REPO = Path(__file__).resolve().parents[2]
 CONFIG_DIR = REPO / "configs"
 RAYSERVICE = REPO / "deploy" / "kuberay" / "rayservice.yaml"
 PODMONITOR = REPO / "deploy" / "kuberay" / "podmonitor.yaml"
+NETWORKPOLICY = REPO / "deploy" / "kuberay" / "networkpolicy.yaml"
 CLUSTER_LAUNCHER = REPO / "deploy" / "ray-cluster.yaml"
 DOCKERFILE = REPO / "deploy" / "Dockerfile"
 PROMETHEUS_CONFIG = REPO / "deploy" / "prometheus" / "prometheus.yml"

@@ -74,6 +74,7 @@ def test_start_commands_are_valid_ray_start_options(cluster_config):
     for args in (head, worker):
         start.make_context("ray start", list(args))  # raises on an unknown option or a bad value
     assert "--head" in head and "--num-cpus=0" in head
+    assert "--dashboard-host=127.0.0.1" in head, "the dashboard's job API runs code: loopback only (ray dashboard tunnels)"
     assert "--metrics-export-port=8080" in head and "--metrics-export-port=8080" in worker
     head_type = cluster_config["available_node_types"][cluster_config["head_node_type"]]
     assert head_type["resources"] == {"CPU": 0}, "the autoscaler must know the head takes no replicas"

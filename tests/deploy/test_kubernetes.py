@@ -16,6 +16,7 @@ from ray._private import ray_constants
 
 from serve_app.config import ServeConfig
 from tests.deploy.manifests import (
+    NETWORKPOLICY,
     PODMONITOR,
     PROMETHEUS_CONFIG,
     RAYSERVICE,
@@ -129,8 +130,13 @@ def test_ports_probes_and_metrics(service, app_config):
         assert named["metrics"] == METRICS_PORT == int(group["rayStartParams"]["metrics-export-port"]), name
         assert named["serve"] == SERVE_PORT, name
         assert container["livenessProbe"]["httpGet"] == {"path": "/api/healthz", "port": agent_port}, name
-        env = {e["name"]: e for e in container.get("env", [])}
-        assert env[app_config.api_key_env]["valueFrom"]["secretKeyRef"]["optional"] is True, name
+        # every pod may host an ingress replica: each mounts the keys Secret where the config reads it,
+        # and the Secret is required (a pod without keys would serve nobody, or refuse to start)
+        mounts = {m["name"]: m for m in container["volumeMounts"]}
+        volumes = {v["name"]: v for v in group["template"]["spec"]["volumes"]}
+        assert mounts["api-keys"]["mountPath"] == app_config.api_keys_file and mounts["api-keys"]["readOnly"], name
+        assert volumes["api-keys"]["secret"] == {"secretName": "serve-app-api-keys"}, name
+        assert not app_config.api_key_env and not container.get("env"), name
     head = ray_container(cluster["headGroupSpec"]["template"])
     assert ports(head)["dashboard"] == 8265 and ports(head)["gcs-server"] == 6379
     assert head["readinessProbe"]["httpGet"] == {"path": "/api/healthz", "port": agent_port}
@@ -164,8 +170,24 @@ def test_podmonitor_scrapes_the_metrics_port_of_every_ray_pod(service):
     assert {"targetLabel": "job", "replacement": job} in endpoint["relabelings"]
 
 
+def test_the_network_policy_confines_rays_ports(service):
+    """Only the API port is open to all; the dashboard (job submission runs code) only to the KubeRay
+    operator; every other port only to the cluster's own pods; and it selects every Ray pod."""
+    (policy,) = load_docs(NETWORKPOLICY)
+    assert policy["kind"] == "NetworkPolicy" and policy["spec"]["policyTypes"] == ["Ingress"]
+    selector = policy["spec"]["podSelector"]["matchLabels"]
+    for name, template in pod_templates(service).items():
+        assert selector.items() <= template["metadata"]["labels"].items(), f"{name} pods are not covered"
+    open_to_all = [rule for rule in policy["spec"]["ingress"] if "from" not in rule]
+    assert open_to_all == [{"ports": [{"protocol": "TCP", "port": SERVE_PORT}]}]
+    dashboard = [rule for rule in policy["spec"]["ingress"] if {"protocol": "TCP", "port": 8265} in rule.get("ports", [])]
+    assert len(dashboard) == 1 and all("podSelector" in peer for peer in dashboard[0]["from"])
+    unrestricted_ports = [rule for rule in policy["spec"]["ingress"] if "ports" not in rule]
+    assert unrestricted_ports == [{"from": [{"podSelector": {"matchLabels": selector}}]}]
+
+
 def test_manifests_are_plain_yaml_documents():
-    for path in (RAYSERVICE, PODMONITOR):
+    for path in (RAYSERVICE, PODMONITOR, NETWORKPOLICY):
         for doc in load_docs(path):
             assert {"apiVersion", "kind", "metadata"} <= doc.keys(), path
             assert doc["metadata"]["name"], path

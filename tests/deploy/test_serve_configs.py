@@ -102,13 +102,16 @@ def test_gpu_configs_autoscale_one_gpu_per_replica(label):
 
 
 def test_rayservice_serves_the_gpu_config_with_the_image_model_path():
-    """serveConfigV2 is configs/gpu.yaml (drift check), with the model where the image has it."""
+    """serveConfigV2 is configs/gpu.yaml (drift check), with the model where the image has it and the
+    API keys from the mounted Secret (one file per tenant) instead of an environment variable."""
     embedded = CONFIGS["rayservice.yaml:serveConfigV2"]
     gpu = CONFIGS["gpu.yaml"]
     assert {k: v for k, v in embedded.items() if k != "applications"} == \
         {k: v for k, v in gpu.items() if k != "applications"}
     (ours,), (theirs,) = embedded["applications"], gpu["applications"]
-    assert {**ours["args"], "model": None} == {**theirs["args"], "model": None}
+    key_source = {"model": None, "api_key_env": None, "api_keys_file": None}
+    assert {**ours["args"], **key_source} == {**theirs["args"], **key_source}
+    assert ours["args"]["api_key_env"] == "" and ours["args"]["api_keys_file"] == "/etc/serve-app/api-keys"
     assert {k: v for k, v in ours.items() if k != "args"} == {k: v for k, v in theirs.items() if k != "args"}
     workdir = [line.split()[1] for line in DOCKERFILE.read_text().splitlines() if line.startswith("WORKDIR")][-1]
     assert ours["args"]["model"] == f"{workdir}/{theirs['args']['model']}", "the image's model directory"

@@ -40,7 +40,8 @@ def test_names_are_the_design_table():
     assert {m.name: m.kind for m in names.ENGINE_METRICS + (names.ROUTER_STATS_AGE,)} == DOCUMENTED_TABLE
     extra = {m.name for m in names.ALL_METRICS} - set(DOCUMENTED_TABLE)
     assert extra == {"llm_router_routed_requests_total", "llm_router_decisions_total", "llm_router_cached_tokens_abs_error",
-                     "llm_router_predicted_cached_tokens_total", "llm_router_actual_cached_tokens_total"}
+                     "llm_router_predicted_cached_tokens_total", "llm_router_actual_cached_tokens_total",
+                     "llm_api_requests_total"}
     assert len({m.name for m in names.ALL_METRICS}) == len(names.ALL_METRICS)
     assert names.REQUEST_SUCCESS.labels == ("finish_reason",)
     assert all(m.label_names[0] == "model" for m in names.ALL_METRICS)

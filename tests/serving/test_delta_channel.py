@@ -1,8 +1,10 @@
 """The direct channel multiplexed deltas take from LLMServer replicas to an ingress replica
 (serve_app/serving/delta_channel.py, and the two ends in stream_mux.py), over real sockets on
-127.0.0.1: frames in order, the secret required before anything is decoded, a silent or oversized
+127.0.0.1: frames in order, the challenge required before anything is decoded, a silent or oversized
 peer dropped, a lost connection noticed by the sender, one connection per ingress and a new one
-after a failure. The path through Ray Serve is in test_openai_api.py and test_replica_failure.py."""
+after a failure. Hostile peers (wrong, garbled, pickled and oversized frames, replayed handshakes,
+floods, an impostor listener, an ingress that stops reading) are in test_channel_attacks.py. The
+path through Ray Serve is in test_openai_api.py and test_replica_failure.py."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import asyncio
 import pytest
 
 from serve_app.serving import delta_channel
+from serve_app.serving.channel_auth import NONCE_BYTES, PROOF_BYTES, ingress_proof, replica_proof
 from serve_app.serving.delta_channel import (
     HEADER,
     MAX_FRAME_BYTES,
@@ -61,36 +64,42 @@ def test_the_address_picks_loopback_on_the_same_node_and_hides_its_secret():
     assert "sss" not in repr(address)
 
 
-def test_a_wrong_secret_is_refused_before_any_frame_and_the_sender_notices():
+def test_a_wrong_secret_fails_the_challenge_at_connect():
     async def main():
         frames: list[bytes] = []
         server, address = await started(frames)
         wrong = ChannelAddress(address.node_id, address.node_ip, address.node_port, address.loopback_port, b"x" * 32)
-        sender = await ChannelSender.connect(wrong, NODE)
-        sent = 0
         with pytest.raises(ChannelClosed):
-            for _ in range(1000):  # the refusal reaches the sender after a write or two
-                sender.send(b"frame")
-                sent += 1
-                await asyncio.sleep(0.01)
+            await ChannelSender.connect(wrong, NODE)
         server.close()
-        return frames, sent
+        return frames
 
-    frames, sent = asyncio.run(main())
-    assert frames == []
-    assert sent < 1000
+    assert asyncio.run(main()) == []
 
 
-async def raw_connection(address: ChannelAddress, payload: bytes) -> bytes:
-    """Connect without the client, send `payload`, return what the server sends until it closes."""
+async def raw_connection(address: ChannelAddress, payload: bytes, authenticate: bool = False) -> bytes:
+    """Connect without the client (passing the challenge first when `authenticate`), send `payload`,
+    return what the server sends after that until it closes."""
     reader, writer = await asyncio.open_connection("127.0.0.1", address.loopback_port)
+    if authenticate:
+        await answer_challenge(reader, writer, address.secret)
     writer.write(payload)
-    data = await asyncio.wait_for(reader.read(), 5)
+    try:
+        data = await asyncio.wait_for(reader.read(), 5)
+    except ConnectionResetError:
+        data = b""
     writer.close()
     return data
 
 
-def test_a_peer_that_sends_no_secret_is_dropped(monkeypatch):
+async def answer_challenge(reader, writer, secret: bytes) -> None:
+    server_nonce = await reader.readexactly(NONCE_BYTES)
+    client_nonce = b"c" * NONCE_BYTES
+    writer.write(client_nonce + replica_proof(secret, server_nonce, client_nonce))
+    assert await reader.readexactly(PROOF_BYTES) == ingress_proof(secret, server_nonce, client_nonce)
+
+
+def test_a_peer_that_answers_no_challenge_is_dropped(monkeypatch):
     monkeypatch.setattr(delta_channel, "HANDSHAKE_TIMEOUT_S", 0.1)
 
     async def main():
@@ -100,14 +109,15 @@ def test_a_peer_that_sends_no_secret_is_dropped(monkeypatch):
         server.close()
         return frames, closed_with
 
-    assert asyncio.run(main()) == ([], b"")
+    frames, closed_with = asyncio.run(main())
+    assert frames == [] and len(closed_with) == NONCE_BYTES  # the challenge, then the close
 
 
 def test_an_oversized_frame_closes_the_connection_unread():
     async def main():
         frames: list[bytes] = []
         server, address = await started(frames)
-        closed_with = await raw_connection(address, address.secret + HEADER.pack(MAX_FRAME_BYTES + 1) + b"x" * 1000)
+        closed_with = await raw_connection(address, HEADER.pack(MAX_FRAME_BYTES + 1) + b"x" * 1000, authenticate=True)
         server.close()
         return frames, closed_with
 

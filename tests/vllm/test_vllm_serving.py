@@ -275,3 +275,25 @@ def test_our_metric_names_on_rays_endpoint_move_with_known_traffic(app, served):
     delta = wait_for(moved, 30, interval_s=1.0, message="the known traffic in Ray's metrics")
     assert (delta["tokens"], delta["length"], delta["ttft"]) == (24, 3, 3)
     assert delta["steps"] >= 3 * 7  # at least 7 decode steps per request
+
+
+# ~450 tokens: at least three full blocks of vLLM's 128 on CPU
+SALT_PROMPT = "Cache salt check. " + " ".join(f"Line {i} says the value {i * 7} twice: {i * 7}." for i in range(40))
+
+
+def test_cache_salt_reaches_vllm_and_keeps_prefixes_apart(app):
+    """The request's `cache_salt` goes through to vLLM's prefix cache: a repeated unsalted prompt hits,
+    the same prompt with a salt vLLM has not seen does not, and a repeat with that salt does."""
+    client = openai_client(app)
+
+    def cached(salt: str | None) -> int:
+        extra = {"cache_salt": salt} if salt is not None else None
+        r = client.completions.create(model=MODEL_NAME, prompt=SALT_PROMPT, max_tokens=1, temperature=0, extra_body=extra)
+        assert r.usage.prompt_tokens > 3 * 128
+        return r.usage.prompt_tokens_details.cached_tokens
+
+    cached(None)
+    assert cached(None) >= 128
+    assert cached("tenant-x") == 0
+    assert cached("tenant-x") >= 128
+    assert cached("tenant-y") == 0
