@@ -45,7 +45,7 @@ def logprob_script(request, attempt):
     ({"parallel_tool_calls": True}, "parallel_tool_calls"),
     ({"temperature": 2.5}, "temperature"),
     ({"top_logprobs": 2}, "top_logprobs"),
-    ({"logprobs": True, "top_logprobs": 21}, "logprobs"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "hi", "nmae": "typo"}]}, "messages.0.nmae"),
     ({"messages": [{"role": "assistant", "content": "no", "refusal": "I can't"}]}, "messages.0.refusal"),
     ({"presence_penalty": 2.5}, "presence_penalty"),
