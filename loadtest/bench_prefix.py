@@ -369,7 +369,7 @@ def main() -> None:
     import ray
     from ray import serve
 
-    from serve_app.engine.input_processor import InputProcessor
+    from serve_app.input_processor import InputProcessor
 
     tokenizer = InputProcessor(str(REPO / "models" / "smollm2-135m-instruct"), 49152, 8192)  # as the ingress does
     started = time.monotonic()

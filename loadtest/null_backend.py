@@ -294,7 +294,7 @@ class NullBackend(Backend):
     async def start(self) -> None:
         if self._engine is not None:
             return
-        from serve_app.engine.input_processor import InputProcessor
+        from serve_app.input_processor import InputProcessor
 
         vocab_size = json.loads((Path(self.model) / "config.json").read_text())["vocab_size"]
         self._input = InputProcessor(self.model, vocab_size, self.options.max_model_len)

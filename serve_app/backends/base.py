@@ -74,6 +74,9 @@ class ModelInfo:
     max_model_len: int
     backend: str
     generation_defaults: GenerationDefaults = GenerationDefaults()  # EOS ids, sampling defaults of the checkpoint
+    # the class of the tokenizer the engine loaded ("module.ClassName"; None: none, or not known):
+    # the ingress loads the same one without resolving it itself (serve_app.input_processor)
+    tokenizer_class: str | None = None
 
 
 class BackendDeadError(RuntimeError):

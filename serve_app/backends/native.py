@@ -87,8 +87,9 @@ class NativeBackend(Backend):
         return {} if self._publisher is None or self._engine is None else self._publisher.next_update()
 
     def model_info(self) -> ModelInfo:
+        inputs = self.engine.engine.input_processor
         return ModelInfo(name=self.model_name, max_model_len=self.engine.max_model_len, backend="native",
-                         generation_defaults=self.engine.engine.input_processor.generation_defaults)
+                         generation_defaults=inputs.generation_defaults, tokenizer_class=inputs.tokenizer_class)
 
     def check_health(self) -> None:
         try:

@@ -41,7 +41,7 @@ from serve_app.types import (
 )
 
 if TYPE_CHECKING:
-    from serve_app.engine.input_processor import InputProcessor
+    from serve_app.input_processor import InputProcessor
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ class VLLMBackend(Backend):
         from vllm.v1.engine.async_llm import AsyncLLM
         from vllm.v1.engine.exceptions import EngineDeadError
 
-        from serve_app.engine.input_processor import InputProcessor
+        from serve_app.input_processor import InputProcessor
 
         self._dead_errors = (BackendDeadError, EngineDeadError)
         self._tokens_input = tokens_input
@@ -246,7 +246,7 @@ class VLLMBackend(Backend):
         self.engine  # noqa: B018
         assert self._input is not None
         return ModelInfo(name=self.model_name, max_model_len=self._max_model_len, backend="vllm",
-                         generation_defaults=self._input.generation_defaults)
+                         generation_defaults=self._input.generation_defaults, tokenizer_class=self._input.tokenizer_class)
 
     def check_health(self) -> None:
         if self.engine.errored:

@@ -87,7 +87,7 @@ class AsyncLLMEngine:
         self.check_health()
         if request.request_id in self._streams:
             raise ValueError(f"request_id: {request.request_id!r} is already in the engine")
-        engine_request = self.engine.input_processor.process(request)  # raises ValueError on bad input
+        engine_request = Request.from_processed(self.engine.input_processor.process(request))  # ValueError on bad input
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request.request_id] = stream
         if self._stopped.is_set():  # the loop ended after the check above: it will never see this stream

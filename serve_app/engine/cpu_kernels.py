@@ -49,10 +49,13 @@ def _extension() -> Any | None:
         import torch
         from torch.utils.cpp_extension import load
 
-        # the name carries a hash of the sources and of the torch installation: checkouts with other
-        # kernels, and environments with another torch (whose include path is in build.ninja, so
-        # torch would rebuild), never share a build directory, so a built extension is only loaded
-        digest = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES) + torch.__file__.encode()).hexdigest()[:12]
+        # the name carries a hash of the sources, of their directory and of the torch installation:
+        # checkouts with other kernels, other checkouts of the same kernels and environments with
+        # another torch never share a build directory (build.ninja names the source paths and torch's
+        # include path, so a shared one would be rebuilt by each in turn), so a built extension is
+        # only loaded
+        identity = b"".join(p.read_bytes() for p in _SOURCES) + str(_SOURCES[0].parent.resolve()).encode() + torch.__file__.encode()
+        digest = hashlib.sha256(identity).hexdigest()[:12]
         # a cold build runs one compiler at a time: each holds ~1.1 GB resident (torch's headers),
         # and in parallel they were most of the engine's peak memory at start-up
         os.environ.setdefault("MAX_JOBS", "1")

@@ -16,11 +16,11 @@ from typing import Protocol
 
 from serve_app.config import EngineConfig
 from serve_app.engine.engine_core import EngineCore
-from serve_app.engine.input_processor import InputProcessor
 from serve_app.engine.output_processor import OutputProcessor
 from serve_app.engine.outputs import EngineCoreOutput
 from serve_app.engine.request import Request
 from serve_app.faults import FaultHook, Stage
+from serve_app.input_processor import InputProcessor
 from serve_app.metrics.stats import EngineLoad, SchedulerStats
 from serve_app.types import FinishReason, GenerateRequest, RequestFailedError, RequestMetrics, RequestOutput
 
@@ -60,7 +60,7 @@ class LLMEngine:
         """Validate, tokenize and queue; raises ValueError (naming the field) without side effects."""
         if self.output_processor.has_request(request.request_id):
             raise ValueError(f"request_id: {request.request_id!r} is already in the engine")
-        self.add_processed(request, self.input_processor.process(request))
+        self.add_processed(request, Request.from_processed(self.input_processor.process(request)))
 
     def add_processed(self, request: GenerateRequest, engine_request: Request) -> None:
         """Queue a request already validated by `input_processor.process`. If this raises, nothing of

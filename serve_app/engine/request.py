@@ -11,6 +11,7 @@ import enum
 from dataclasses import dataclass, field
 
 from serve_app.block_hash import BlockHash
+from serve_app.input_processor import ProcessedRequest
 from serve_app.types import FinishReason, SamplingParams
 
 
@@ -45,6 +46,13 @@ class Request:
     def __post_init__(self) -> None:
         self.eos_token_ids = frozenset(self.eos_token_ids or ())
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
+
+    @classmethod
+    def from_processed(cls, processed: ProcessedRequest) -> Request:
+        """The engine's state for a request `InputProcessor.process` validated."""
+        return cls(request_id=processed.request_id, prompt_token_ids=list(processed.prompt_token_ids),
+                   sampling_params=processed.sampling_params, eos_token_ids=processed.eos_token_ids,
+                   arrival_time=processed.arrival_time, cache_salt=processed.cache_salt)
 
     @property
     def num_prompt_tokens(self) -> int:

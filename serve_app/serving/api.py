@@ -11,7 +11,7 @@ into one engine request per choice, all on the same deadline (`request_timeout_s
 bounded (`max_prompts_per_request`, n × prompts <= `max_ongoing_requests`) and checked before any
 choice is sent. Prompts and outputs are never logged.
 
-With an `input_processor` (the engine's own `InputProcessor`, built by the ingress), each prompt is
+With an `input_processor` (the engines' `InputProcessor`, built by the ingress), each prompt is
 tokenized (chat template applied) once, here: the engine requests carry `prompt_token_ids`, so the
 router hashes exactly the blocks the engine will look up and the replica does not tokenize again.
 Bad prompts are rejected here with the engine's 400. Each request's prefix-cache salt
@@ -84,7 +84,7 @@ class OpenAIAPI:
         self.llm = llm_handle
         self.config = config
         self.info = info
-        self.input_processor = input_processor  # serve_app.engine.input_processor.InputProcessor, or None
+        self.input_processor = input_processor  # serve_app.input_processor.InputProcessor, or None
         # one thread: HF fast tokenizers are not safe to call from several threads at once ("Already borrowed")
         self._tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         self.mux = mux  # this ingress's stream channel with stream multiplexing, else None

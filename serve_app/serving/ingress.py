@@ -3,8 +3,10 @@
 The FastAPI app is built per replica (`__serve_build_asgi_app__`) from the `ServeConfig`, so nothing
 lives in module globals. The constructor waits until an LLMServer replica answers `model_info()`,
 so a RUNNING ingress means the API can serve; it then logs the URL clients use. With
-`tokenize_in_ingress` it loads the model's tokenizer through the engine's own `InputProcessor`, and
-prompts are tokenized here, once (the router hashes those ids; replicas do not tokenize again).
+`tokenize_in_ingress` it loads the model's tokenizer (the class the engine loaded, `ModelInfo`)
+through the same `InputProcessor` the engines run (serve_app/input_processor.py, torch-free: this
+process never imports torch), and prompts are tokenized here, once (the router hashes those ids;
+replicas do not tokenize again).
 With `stream_multiplexing` it opens this replica's stream channel (`serving.stream_mux`).
 
 The API keys are read here, in the replica's own process, from the environment variable the config
@@ -27,6 +29,7 @@ from fastapi import FastAPI
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from serve_app.backends.base import ModelInfo
 from serve_app.config import ServeConfig
 from serve_app.metrics.api_metrics import APIMetrics
 from serve_app.serving.api import OpenAIAPI, build_fastapi_app
@@ -37,15 +40,15 @@ from serve_app.serving.stream_mux import MuxReceiver
 logger = logging.getLogger("ray.serve")
 
 
-def make_input_processor(config: ServeConfig, max_model_len: int):
-    """The engine's `InputProcessor` for the served model, or None (`tokenize_in_ingress` off, or no
-    tokenizer files: the replicas then tokenize)."""
+def make_input_processor(config: ServeConfig, info: ModelInfo):
+    """The engines' `InputProcessor` for the served model, with the tokenizer class the engine
+    loaded, or None (`tokenize_in_ingress` off, or no tokenizer files: the replicas then tokenize)."""
     if not config.tokenize_in_ingress or not (Path(config.model) / "tokenizer.json").is_file():
         return None
-    from serve_app.engine.input_processor import InputProcessor  # loads transformers, in the replica only
+    from serve_app.input_processor import InputProcessor  # transformers (not torch): in the replica only
 
     vocab_size = int(json.loads((Path(config.model) / "config.json").read_text())["vocab_size"])
-    return InputProcessor(config.model, vocab_size, max_model_len)
+    return InputProcessor(config.model, vocab_size, info.max_model_len, info.tokenizer_class)
 
 
 def api_key_from_env(variable: str) -> str:
@@ -76,7 +79,7 @@ class OpenAIIngress:
         mux = None
         if config.stream_multiplexing:
             mux = await MuxReceiver().start(ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address())
-        self.api = OpenAIAPI(llm, config, info, make_input_processor(config, info.max_model_len), mux, keyring)
+        self.api = OpenAIAPI(llm, config, info, make_input_processor(config, info), mux, keyring)
         self._metrics = APIMetrics.for_ray(info.name)
         logger.info("OpenAI-compatible API ready: model %r (context %d tokens, backend %s)",
                     info.name, info.max_model_len, info.backend)

@@ -38,7 +38,7 @@ NUM_REPLICAS = 2
 NUM_REQUESTS, MAX_TOKENS, CONCURRENCY = 12, 12, 6
 RATE_INTERVAL = "30s"
 
-pytestmark = [pytest.mark.timeout(480), pytest.mark.startup(reason="starts Ray, Serve and a Prometheus server, and waits for its first scrapes")]
+pytestmark = [pytest.mark.prometheus, pytest.mark.timeout(480), pytest.mark.startup(reason="starts Ray, Serve and a Prometheus server, and waits for its first scrapes")]
 
 
 

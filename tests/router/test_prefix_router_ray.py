@@ -51,7 +51,7 @@ def app(local_ray, probe_dir):
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from serve_app.engine.input_processor import InputProcessor
+    from serve_app.input_processor import InputProcessor
 
     return InputProcessor(str(MODEL_DIR), 49152, 2048)
 

@@ -10,7 +10,7 @@ import httpx
 
 from serve_app.backends.base import ModelInfo
 from serve_app.config import ServeConfig
-from serve_app.engine.input_processor import InputProcessor
+from serve_app.input_processor import InputProcessor
 from serve_app.serving.api import OpenAIAPI, build_fastapi_app
 from serve_app.serving.ingress import make_input_processor
 from serve_app.types import GenerateRequest
@@ -23,7 +23,7 @@ MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "c
 
 def client(handle: FakeHandle, **config) -> tuple[httpx.AsyncClient, InputProcessor]:
     cfg = ServeConfig(model=str(MODEL_DIR), **config)
-    processor = make_input_processor(cfg, INFO.max_model_len)
+    processor = make_input_processor(cfg, INFO)
     app = build_fastapi_app(OpenAIAPI(handle, cfg, INFO, processor), api_key="")
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test", timeout=30), processor
 
@@ -49,7 +49,7 @@ def test_token_ids_are_the_engines_and_the_engine_does_not_tokenize_again():
         # the replica's engine takes the ids as they are: no tokenizer needed
         engine = InputProcessor(str(MODEL_DIR), 49152, 64)
         engine.hf_tokenizer = None
-        assert engine.process(chat).prompt_token_ids == list(expected)
+        assert engine.process(chat).prompt_token_ids == expected
 
     asyncio.run(main())
 

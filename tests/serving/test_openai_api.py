@@ -20,6 +20,7 @@ from tests.serving.conftest import (
     app_args,
     async_openai_client,
     openai_client,
+    replica_actors,
     replica_stats,
     serve_app,
     wait_for,
@@ -268,3 +269,33 @@ def test_prompts_and_outputs_are_not_logged(client, ray_cluster):
     assert logs.is_dir()
     leaked = [p.name for p in logs.rglob("*") if p.is_file() and marker.encode() in p.read_bytes()]
     assert leaked == []
+
+
+def _loaded_torch(_actor_instance) -> dict:
+    """Runs inside a Ray actor's process (`__ray_call__`): whether torch is imported there."""
+    import os
+    import sys
+
+    return {"pid": os.getpid(), "torch": "torch" in sys.modules, "transformers": "transformers" in sys.modules}
+
+
+def test_only_engine_replicas_import_torch(client, ray_cluster):
+    """After a chat request (tokenized in the ingress), the ingress replicas, Serve's controller and
+    its proxies have not imported torch; the LLMServer replicas have (the same probe can see it)."""
+    import ray
+
+    reply = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+    assert reply.choices[0].message.content is not None
+
+    def probe(actor) -> dict:
+        return ray.get(actor.__ray_call__.remote(_loaded_torch), timeout=30)
+
+    ingress = {name: probe(a) for name, a in replica_actors("OpenAIIngress").items()}
+    engines = {name: probe(a) for name, a in replica_actors("LLMServer").items()}
+    assert ingress and all(p["transformers"] and not p["torch"] for p in ingress.values()), ingress  # it tokenized
+    assert engines and all(p["torch"] for p in engines.values()), engines
+    serve_actors = [e["name"] for e in ray.util.list_named_actors(all_namespaces=True)
+                    if e["name"].startswith(("SERVE_CONTROLLER_ACTOR", "SERVE_PROXY_ACTOR"))]
+    assert any(n.startswith("SERVE_PROXY_ACTOR") for n in serve_actors), serve_actors
+    others = {n: probe(ray.get_actor(n, namespace="serve")) for n in serve_actors}
+    assert not any(p["torch"] for p in others.values()), others

@@ -92,7 +92,7 @@ def test_sampling_params_reject_non_finite_and_huge_values():
 
 @pytest.fixture(scope="module")
 def input_processor():
-    from serve_app.engine.input_processor import InputProcessor
+    from serve_app.input_processor import InputProcessor
 
     if not (MODEL_DIR / "tokenizer.json").is_file():
         pytest.skip("no model (make model)")

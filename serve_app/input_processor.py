@@ -1,4 +1,11 @@
-"""Validates and tokenizes incoming requests into engine `Request`s.
+"""Validates and tokenizes incoming requests into `ProcessedRequest`s (torch-free).
+
+Both sides run it: the engines (the native engine turns a `ProcessedRequest` into its own `Request`;
+the vLLM backend hands the ids to vLLM) and the ingress replica, which tokenizes once so the router
+can hash the ids. It never imports torch (tests/serving/test_ingress_imports.py), so neither does the
+ingress: `load_tokenizer` names the tokenizer's class, and the ingress loads the class the engine
+resolved (`ModelInfo.tokenizer_class`) rather than resolving it itself through `AutoTokenizer`,
+whose configuration classes import torch.
 
 Every rejection is a `ValueError` whose message starts with the offending field (`prompt`,
 `messages`, `max_tokens`, ...), raised before the request touches the scheduler.
@@ -20,24 +27,62 @@ below the vocabulary size; `top_k` at or above it keeps every token and becomes 
 from __future__ import annotations
 
 import dataclasses
+import importlib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from serve_app.engine.request import Request
 from serve_app.generation_config import GenerationDefaults
-from serve_app.types import GenerateRequest
+from serve_app.types import GenerateRequest, SamplingParams
+
+
+def load_tokenizer(model_dir: str, tokenizer_class: str | None = None) -> Any | None:
+    """The model's Hugging Face tokenizer, or None without `tokenizer.json`.
+
+    `tokenizer_class` ("module.ClassName", what `tokenizer_class_name` returned on a process that
+    resolved it): that class is loaded directly, without importing torch. None: `AutoTokenizer`
+    resolves it (its configuration classes import torch: only where torch is loaded anyway)."""
+    if not (Path(model_dir) / "tokenizer.json").is_file():
+        return None
+    if tokenizer_class is None:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(model_dir)
+    module, _, name = tokenizer_class.rpartition(".")
+    if not module.startswith("transformers."):
+        raise ValueError(f"tokenizer_class: {tokenizer_class!r} is not a transformers tokenizer class")
+    return getattr(importlib.import_module(module), name).from_pretrained(model_dir)
+
+
+def tokenizer_class_name(tokenizer: Any | None) -> str | None:
+    """"module.ClassName" of `tokenizer` (what `load_tokenizer` takes), or None."""
+    return None if tokenizer is None else f"{type(tokenizer).__module__}.{type(tokenizer).__qualname__}"
+
+
+@dataclass(frozen=True)
+class ProcessedRequest:
+    """A request validated against the model: its prompt as token ids and its sampling parameters
+    with the model-dependent bounds applied."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling_params: SamplingParams
+    eos_token_ids: frozenset[int]
+    arrival_time: float
+    cache_salt: bytes | None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
 
 
 class InputProcessor:
-    def __init__(self, model_dir: str, vocab_size: int, max_model_len: int) -> None:
+    def __init__(self, model_dir: str, vocab_size: int, max_model_len: int, tokenizer_class: str | None = None) -> None:
+        """`tokenizer_class`: see `load_tokenizer` (None: resolved by `AutoTokenizer`)."""
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.generation_defaults = GenerationDefaults.from_model_dir(model_dir)
-        self.hf_tokenizer = None
-        if (Path(model_dir) / "tokenizer.json").is_file():
-            from transformers import AutoTokenizer
-
-            self.hf_tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.hf_tokenizer = load_tokenizer(model_dir, tokenizer_class)
         # characters in the longest vocabulary entry (byte-level BPE writes one character per byte,
         # so a token's text is never longer than its entry); None without a tokenizer
         self.max_token_chars = None
@@ -61,11 +106,17 @@ class InputProcessor:
         return self.generation_defaults.eos_token_ids
 
     @property
+    def tokenizer_class(self) -> str | None:
+        """The tokenizer's class as `load_tokenizer` takes it (another process loads the same one)."""
+        return tokenizer_class_name(self.hf_tokenizer)
+
+    @property
     def tokenizer(self):
         """The fast (Rust) tokenizer used for incremental detokenization, or None without one."""
         return None if self.hf_tokenizer is None else self.hf_tokenizer.backend_tokenizer
 
-    def apply_chat_template(self, messages: list[dict[str, Any]] | tuple[dict[str, Any], ...]) -> list[int]:
+    def apply_chat_template(self, messages: list[dict[str, Any]] | tuple[dict[str, Any], ...], **template_kwargs: Any) -> list[int]:
+        """The chat's prompt ids (generation prompt added); `template_kwargs` go to the template."""
         if self.hf_tokenizer is None or not getattr(self.hf_tokenizer, "chat_template", None):
             raise ValueError("messages: this model has no chat template")
         if not messages:
@@ -74,11 +125,9 @@ class InputProcessor:
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise ValueError("messages: each message needs a string 'role' and a string 'content'")
         self.check_text_fits("messages", sum(len(m["content"]) + len(m.get("name") or "") for m in messages))
-        return list(
-            self.hf_tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True, return_dict=True)[
-                "input_ids"
-            ]
-        )
+        rendered = self.hf_tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True,
+                                                         return_dict=True, **template_kwargs)
+        return list(rendered["input_ids"])
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -90,7 +139,8 @@ class InputProcessor:
             raise ValueError(f"prompt: token ids must be integers in [0, {self.vocab_size})")
         return list(prompt)
 
-    def process(self, request: GenerateRequest) -> Request:
+    def process(self, request: GenerateRequest) -> ProcessedRequest:
+        """`request` validated and tokenized; ValueError naming the field otherwise."""
         if request.prompt_token_ids is not None:  # tokenized by the ingress
             token_ids = self.tokenize(list(request.prompt_token_ids))
         elif request.messages is not None:
@@ -117,9 +167,9 @@ class InputProcessor:
             raise ValueError(f"stop_token_ids: token ids must be integers in [0, {self.vocab_size})")
         if params.top_k >= self.vocab_size:  # keeps every token: the same as off, and no huge integer reaches a tensor
             params = dataclasses.replace(params, top_k=0)
-        return Request(
+        return ProcessedRequest(
             request_id=request.request_id,
-            prompt_token_ids=token_ids,
+            prompt_token_ids=tuple(token_ids),
             sampling_params=params,
             eos_token_ids=self.eos_token_ids,
             arrival_time=request.arrival_time,
