@@ -1,4 +1,5 @@
-# One environment (.venv) holds everything. Every target is idempotent.
+# One environment (.venv) holds everything. Every target is idempotent. Nothing but `system-deps`
+# (Prometheus, for the targets that need it: test, test-all, monitor, dashboard-demo) needs root.
 SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -6,9 +7,9 @@ PIP := $(VENV)/bin/pip
 MODEL_DIR := models/smollm2-135m-instruct
 STAMP := $(VENV)/.installed
 
-.PHONY: install model test test-all lint bench-engine chat clean install-vllm test-vllm
+.PHONY: install model test test-fast test-all lint bench-engine chat clean install-vllm test-vllm
 
-install: system-deps $(STAMP)
+install: $(STAMP)
 
 $(STAMP): pyproject.toml
 	@command -v python3 >/dev/null || { echo "python3 (3.11) is required"; exit 1; }
@@ -22,10 +23,17 @@ $(STAMP): pyproject.toml
 model: $(STAMP)
 	$(PY) -m serve_app.engine.models.convert --out $(MODEL_DIR)
 
-test: install model
+# The test tiers (docs/testing.md). test-fast: no Ray cluster, no served model, no Prometheus, no root
+# (day-to-day work, about 2 min on 2 cores). test: the default suite (everything but slow, vllm, gpu),
+# Prometheus installed first. test-all: + the slow tests.
+FAST_MARKERS := not cluster and not prometheus and not slow and not vllm and not gpu
+test-fast: install model
+	$(PY) -m pytest -q -m "$(FAST_MARKERS)"
+
+test: install model system-deps
 	$(PY) -m pytest -q
 
-test-all: install model
+test-all: install model system-deps
 	$(PY) -m pytest -q -m "not gpu"
 
 lint: install
@@ -121,14 +129,20 @@ serve: install model
 	RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_DEDUP_LOGS=0 $(SERVE_ENV) $(VENV)/bin/serve run $(SERVE_CONFIG)
 
 # ---- observability ----------------------------------------------------------------------------------
-# Prometheus + promtool from Debian's `prometheus` package, installed once (as root, or with sudo).
-# Debian's package may try to start its own service; in containers without systemd it does not.
+# Prometheus + promtool from Debian's `prometheus` package, installed once (as root, or with sudo
+# that needs no password). Only the targets that run them depend on it: test, test-all, monitor,
+# dashboard-demo. Without root it stops with what to do instead of prompting. Debian's package may try
+# to start its own service; in containers without systemd it does not.
 .PHONY: system-deps monitor dashboards dashboard-png dashboard-demo
+SYSTEM_DEPS_HELP := Prometheus (prometheus, promtool) is missing and installing it needs root: run 'sudo make system-deps' (or install Debian's prometheus package), then this target again. make serve and make test-fast do not need it.
 system-deps:
-	@command -v promtool >/dev/null 2>&1 && command -v prometheus >/dev/null 2>&1 || { \
-	  echo "[system-deps] installing prometheus (apt)"; \
-	  SUDO=; [ "$$(id -u)" = 0 ] || SUDO=sudo; \
-	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends prometheus; }
+	@if command -v promtool >/dev/null 2>&1 && command -v prometheus >/dev/null 2>&1; then exit 0; fi; \
+	if [ "$$(id -u)" = 0 ]; then SUDO=; \
+	elif command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then SUDO="sudo -n"; \
+	else echo "[system-deps] $(SYSTEM_DEPS_HELP)" >&2; exit 1; fi; \
+	command -v apt-get >/dev/null 2>&1 || { echo "[system-deps] no apt-get: install Prometheus 2.x by hand (prometheus and promtool on PATH)" >&2; exit 1; }; \
+	echo "[system-deps] installing prometheus (apt)"; \
+	$$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends prometheus
 
 # Prometheus on http://127.0.0.1:9090 scraping the running Ray cluster (`make serve` in another
 # terminal) through Ray's service-discovery file; data in .prometheus/ (Ctrl-C stops it).

@@ -8,18 +8,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests import tiers
-
 REPO = Path(__file__).resolve().parent.parent
 MODEL_DIR = REPO / "models" / "smollm2-135m-instruct"
+pytest_plugins = ["tests.tiers"]  # the test tiers: `cluster` marked at collection, the fast tier's rule
 
 
 def pytest_collection_modifyitems(config, items) -> None:
     """Tests marked `startup(reason=...)` (and only they) get one rerun on failure: what they depend
     on, a process starting within a bound on a shared machine, is not what they test. Every other
-    test must pass the first time (it waits on conditions, never on elapsed time). Then the tiers:
-    `cluster` by fixture use, and the fast tier's rule (tests/tiers.py)."""
-    tiers.mark_tiers(items)
+    test must pass the first time (it waits on conditions, never on elapsed time)."""
     for item in items:
         marker = item.get_closest_marker("startup")
         if marker is None:
@@ -27,16 +24,6 @@ def pytest_collection_modifyitems(config, items) -> None:
         if not marker.kwargs.get("reason"):
             raise pytest.UsageError(f"{item.nodeid}: @pytest.mark.startup needs reason=... (why start-up timing matters)")
         item.add_marker(pytest.mark.flaky(reruns=1, reruns_delay=5))
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_call(item):
-    """A fast-tier test that starts Ray (and leaves it running) fails: it belongs to the `cluster` tier."""
-    ray_before = tiers.left_ray_running()
-    outcome = yield
-    if tiers.in_fast_tier(item) and not ray_before and tiers.left_ray_running():
-        outcome.force_exception(AssertionError(
-            f"{item.nodeid} started Ray but is not marked cluster (tests/tiers.py; docs/testing.md)"))
 
 
 def pytest_configure(config):

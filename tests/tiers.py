@@ -12,7 +12,8 @@ Markers (registered in pyproject.toml; docs/testing.md explains the tiers):
 - `slow`, `vllm`, `gpu`: outside the default suite (unchanged).
 
 `make test-fast` deselects `FAST_EXCLUDES`. What keeps that tier honest: a fast-tier test after
-which Ray is initialized (and was not before) fails, naming the marker (tests/conftest.py).
+which Ray is initialized (and was not before) fails, naming the marker. This module is a pytest
+plugin (tests/conftest.py loads it; tests/test_tiers.py runs it on a synthetic suite).
 """
 
 from __future__ import annotations
@@ -86,3 +87,18 @@ def left_ray_running() -> bool:
     """True when Ray is initialized in this process (only if something imported it)."""
     ray = sys.modules.get("ray")
     return ray is not None and bool(getattr(ray, "is_initialized", lambda: False)())
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
+def pytest_collection_modifyitems(items) -> None:
+    mark_tiers(items)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    """A fast-tier test that starts Ray (and leaves it running) fails: it belongs to the `cluster` tier."""
+    ray_before = left_ray_running()
+    outcome = yield
+    if in_fast_tier(item) and not ray_before and left_ray_running():
+        outcome.force_exception(AssertionError(
+            f"{item.nodeid} started Ray but is not marked cluster (tests/tiers.py; docs/testing.md)"))
