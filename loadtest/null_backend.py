@@ -74,6 +74,10 @@ class NullEngineOptions:
         if self.device != "none":
             raise ValueError(f"device: the null engine runs on no device ('none'), got {self.device!r}")
 
+    @property
+    def kv_block_size(self) -> int:  # the backend options contract (serve_app.config.BackendKind)
+        return self.block_size
+
     @classmethod
     def from_kwargs(cls, kwargs: dict[str, Any]) -> NullEngineOptions:
         known = {f.name for f in fields(cls)}
@@ -288,7 +292,7 @@ class NullBackend(Backend):
         return NullEngineOptions.from_kwargs(kwargs)
 
     @classmethod
-    def from_serve_config(cls, config: Any, stat_loggers: Sequence[Any] = ()) -> NullBackend:
+    def from_serve_config(cls, config: Any, stat_loggers: Sequence[Any] = (), fault_hook: Any = None) -> NullBackend:
         return cls(config.model, cls.options_from_kwargs(config.engine_kwargs), config.model_name, stat_loggers)
 
     async def start(self) -> None:

@@ -7,9 +7,13 @@ an HTTP 400 when it comes from a request) instead of deep inside a step.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
+
+from serve_app.speculative_config import SpeculativeConfig
+from serve_app.validation import require
 
 if TYPE_CHECKING:
     from serve_app.backends.vllm_options import VLLMOptions
@@ -23,9 +27,6 @@ LINEAR_BACKENDS = ("auto", "kernels", "onednn", "dense")
 DEFAULT_KV_CACHE_MEMORY_GIB = 1.0
 
 
-def _require(cond: bool, name: str, msg: str) -> None:
-    if not cond:
-        raise ValueError(f"{name}: {msg}")
 
 
 @dataclass(frozen=True)
@@ -58,13 +59,13 @@ class ModelConfig:
     cuda_graph_max_batch_size: int = 256  # CUDA: decode steps up to this many sequences replay a captured graph
 
     def __post_init__(self) -> None:
-        _require(bool(self.model), "model", "a model directory is required")
-        _require(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
-        _require(self.device == "cpu" or self.device.startswith("cuda"), "device", f"cpu or cuda[:N], got {self.device!r}")
-        _require(self.max_model_len >= 0, "max_model_len", "must be >= 0")
-        _require(self.attention_backend in ATTENTION_BACKENDS, "attention_backend", f"must be one of {ATTENTION_BACKENDS}")
-        _require(self.linear_backend in LINEAR_BACKENDS, "linear_backend", f"must be one of {LINEAR_BACKENDS}")
-        _require(self.cuda_graph_max_batch_size >= 1, "cuda_graph_max_batch_size", "must be >= 1")
+        require(bool(self.model), "model", "a model directory is required")
+        require(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
+        require(self.device == "cpu" or self.device.startswith("cuda"), "device", f"cpu or cuda[:N], got {self.device!r}")
+        require(self.max_model_len >= 0, "max_model_len", "must be >= 0")
+        require(self.attention_backend in ATTENTION_BACKENDS, "attention_backend", f"must be one of {ATTENTION_BACKENDS}")
+        require(self.linear_backend in LINEAR_BACKENDS, "linear_backend", f"must be one of {LINEAR_BACKENDS}")
+        require(self.cuda_graph_max_batch_size >= 1, "cuda_graph_max_batch_size", "must be >= 1")
 
     @property
     def name(self) -> str:
@@ -93,11 +94,11 @@ class CacheConfig:
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
-        _require(self.block_size in (8, 16, 32, 64, 128), "block_size", "must be one of 8, 16, 32, 64, 128")
-        _require(self.num_blocks >= 0, "num_blocks", "must be >= 0")
-        _require(self.kv_cache_memory_gib is None or self.kv_cache_memory_gib > 0, "kv_cache_memory_gib", "must be > 0")
-        _require(0 <= self.gpu_memory_utilization < 1, "gpu_memory_utilization", "must be in [0, 1) (0: use kv_cache_memory_gib)")
-        _require(not (self.gpu_memory_utilization and self.kv_cache_memory_gib is not None),
+        require(self.block_size in (8, 16, 32, 64, 128), "block_size", "must be one of 8, 16, 32, 64, 128")
+        require(self.num_blocks >= 0, "num_blocks", "must be >= 0")
+        require(self.kv_cache_memory_gib is None or self.kv_cache_memory_gib > 0, "kv_cache_memory_gib", "must be > 0")
+        require(0 <= self.gpu_memory_utilization < 1, "gpu_memory_utilization", "must be in [0, 1) (0: use kv_cache_memory_gib)")
+        require(not (self.gpu_memory_utilization and self.kv_cache_memory_gib is not None),
                  "gpu_memory_utilization, kv_cache_memory_gib", "set one of them, not both")
 
     @property
@@ -125,79 +126,14 @@ class SchedulerConfig:
     batch_timeout_s: float = -1.0
 
     def __post_init__(self) -> None:
-        _require(self.batching in BATCHING_POLICIES, "batching", f"must be one of {BATCHING_POLICIES}")
-        _require(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
-        _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1")
-        _require(0 <= self.batch_size <= self.max_num_seqs, "batch_size", "must be in [0, max_num_seqs]")
+        require(self.batching in BATCHING_POLICIES, "batching", f"must be one of {BATCHING_POLICIES}")
+        require(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
+        require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1")
+        require(0 <= self.batch_size <= self.max_num_seqs, "batch_size", "must be in [0, max_num_seqs]")
         if self.batch_size == 0:
             object.__setattr__(self, "batch_size", self.max_num_seqs)
         if self.batch_timeout_s < 0:
             object.__setattr__(self, "batch_timeout_s", 2.0 if self.batching == "static" else 0.0)
-
-
-SPEC_METHODS = ("off", "ngram", "draft")
-SPEC_ACCEPTANCE = ("exact", "rejection")
-
-
-@dataclass(frozen=True)
-class SpeculativeConfig:
-    """Speculative decoding: each decoding request may be verified with up to `max_k` proposed tokens
-    per step (see docs/speculative_decoding.md).
-
-    `method`: `off`; `ngram` (prompt lookup: the tokens that followed the latest earlier occurrence
-    of the last `ngram_min`..`ngram_max` tokens of the prompt and output); or `draft` (a second,
-    smaller model, `draft_model`, with the target's vocabulary and its own KV cache of
-    `draft_kv_cache_memory_gib`). `k` 0 (the default) picks the number of proposed tokens per request
-    and step adaptively, from the request's measured acceptance and the engine's fitted step cost;
-    `k` > 0 always proposes that many (fixed k, for comparison).
-
-    `acceptance`: `exact` (default) keeps every output identical to decoding without speculation
-    (greedy and seeded sampling); `rejection` (draft only) draws a sampling request's proposals from
-    the draft's distribution and verifies them by rejection sampling: more accepted, the same output
-    distribution, but a seeded output then depends on what the draft proposed, hence on load.
-    """
-
-    method: str = "off"
-    max_k: int = 4
-    k: int = 0
-    ngram_min: int = 2
-    ngram_max: int = 4
-    draft_model: str = ""
-    draft_kv_cache_memory_gib: float = 0.25
-    acceptance: str = "exact"
-
-    def __post_init__(self) -> None:
-        _require(self.method in SPEC_METHODS, "speculative.method", f"must be one of {SPEC_METHODS}, got {self.method!r}")
-        for name in ("max_k", "k", "ngram_min", "ngram_max"):
-            _require(isinstance(getattr(self, name), int) and not isinstance(getattr(self, name), bool),
-                     f"speculative.{name}", "must be an integer")
-        _require(1 <= self.max_k <= 16, "speculative.max_k", f"must be in [1, 16], got {self.max_k}")
-        _require(0 <= self.k <= self.max_k, "speculative.k", f"must be in [0, max_k] (0: adaptive), got {self.k}")
-        _require(1 <= self.ngram_min <= self.ngram_max, "speculative.ngram_min", "must be in [1, ngram_max]")
-        _require(self.acceptance in SPEC_ACCEPTANCE, "speculative.acceptance", f"must be one of {SPEC_ACCEPTANCE}, got {self.acceptance!r}")
-        _require(self.method == "draft" or self.acceptance == "exact", "speculative.acceptance",
-                 "rejection sampling needs proposals drawn from a distribution: method draft")
-        _require((self.method == "draft") == bool(self.draft_model), "speculative.draft_model",
-                 "required with method draft (a model directory), and only then")
-        _require(isinstance(self.draft_kv_cache_memory_gib, int | float) and self.draft_kv_cache_memory_gib > 0,
-                 "speculative.draft_kv_cache_memory_gib", "must be > 0")
-
-    @property
-    def enabled(self) -> bool:
-        return self.method != "off"
-
-    @classmethod
-    def from_value(cls, value: SpeculativeConfig | dict[str, Any] | None) -> SpeculativeConfig:
-        """From the `speculative` option: a mapping of these fields (None: off)."""
-        if value is None or isinstance(value, SpeculativeConfig):
-            return value or cls()
-        _require(isinstance(value, dict), "speculative", f"must be a mapping such as {{'method': 'ngram'}}, got {value!r}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - known)
-        _require(not unknown, f"speculative.{unknown[0] if unknown else ''}", f"not a speculative option (known: {', '.join(sorted(known))})")
-        if "method" not in value:
-            value = {**value, "method": "ngram"}  # a mapping without a method asks for the default one
-        return cls(**value)
 
 
 @dataclass(frozen=True)
@@ -221,8 +157,54 @@ class EngineConfig:
         return cls(ModelConfig(**parts[ModelConfig]), CacheConfig(**parts[CacheConfig]), SchedulerConfig(**parts[SchedulerConfig]),
                    speculative)
 
+    # ---- the backend options contract (`BackendKind.options`): what the serving layer reads ----
+    @property
+    def device(self) -> str:
+        return self.model.device
 
-BACKENDS = ("native", "vllm")
+    @property
+    def kv_block_size(self) -> int:
+        return self.cache.block_size
+
+    @property
+    def world_size(self) -> int:
+        return 1
+
+    @property
+    def step_token_budget(self) -> int:
+        """Tokens one engine step computes at most (the prefix-aware router's step cost)."""
+        return self.scheduler.max_num_batched_tokens
+
+
+def _native_options(model: str, engine: dict[str, Any]) -> EngineConfig:
+    return EngineConfig.from_kwargs(model, **engine)
+
+
+def _vllm_options(model: str, engine: dict[str, Any]) -> VLLMOptions:
+    from serve_app.backends.vllm_options import VLLMOptions  # noqa: F811 - no vllm import
+
+    return VLLMOptions.from_kwargs(**engine)
+
+
+@dataclass(frozen=True)
+class BackendKind:
+    """A built-in backend, by the name `ServeConfig.backend` gives it.
+
+    `options(model, engine)` validates the `engine` mapping into the backend's options, which carry
+    `device`, `kv_block_size`, `world_size` (engine ranks per replica) and `step_token_budget` (None:
+    unknown): the serving layer reads those, never the backend's name. `backend_class` is the
+    `Backend` subclass ("module:Class"), imported only where a replica builds it; it has
+    `from_serve_config(config, stat_loggers, fault_hook)`. A plugin backend (`backend: "module:Class"`)
+    provides the same through `options_from_kwargs(engine)`."""
+
+    options: Callable[[str, dict[str, Any]], Any]
+    backend_class: str
+
+
+BACKENDS: dict[str, BackendKind] = {
+    "native": BackendKind(_native_options, "serve_app.backends.native:NativeBackend"),
+    "vllm": BackendKind(_vllm_options, "serve_app.backends.vllm:VLLMBackend"),
+}
 PREFIX_CACHE_SALTS = ("auto", "tenant", "api_key", "none")
 
 
@@ -348,55 +330,55 @@ class ServeConfig:
         autoscaling = self.autoscaling or ()
         autoscaling = autoscaling.items() if isinstance(autoscaling, dict) else autoscaling
         object.__setattr__(self, "autoscaling", tuple(sorted((str(k), v) for k, v in autoscaling)))
-        _require(bool(self.model), "model", "a model directory is required")
-        _require(self.backend in BACKENDS or ":" in self.backend, "backend",
-                 f"must be one of {BACKENDS} or a 'module:Class' import path, got {self.backend!r}")
+        require(bool(self.model), "model", "a model directory is required")
+        require(self.backend in BACKENDS or ":" in self.backend, "backend",
+                 f"must be one of {tuple(BACKENDS)} or a 'module:Class' import path, got {self.backend!r}")
         self.backend_options()  # validates the engine options (names and values) for the backend
-        if self.backend == "vllm" and self.vllm_options().world_size > 1:
-            _require(not self.num_gpus_per_replica, "num_gpus_per_replica", "leave it unset with tensor_parallel_size or "
+        if self.world_size > 1:
+            require(not self.num_gpus_per_replica, "num_gpus_per_replica", "leave it unset with tensor_parallel_size or "
                      "pipeline_parallel_size > 1: the replica's placement group holds one device per rank")
         for name in ("num_replicas", "ingress_num_replicas", "max_ongoing_requests", "ingress_max_ongoing_requests", "max_n",
                      "max_prompts_per_request"):
-            _require(isinstance(getattr(self, name), int) and getattr(self, name) >= 1, name, "must be an integer >= 1")
+            require(isinstance(getattr(self, name), int) and getattr(self, name) >= 1, name, "must be an integer >= 1")
         for name in ("max_queued_requests", "ingress_max_queued_requests"):
-            _require(isinstance(getattr(self, name), int) and (getattr(self, name) >= 1 or getattr(self, name) == -1), name, "must be >= 1, or -1 for no limit")
+            require(isinstance(getattr(self, name), int) and (getattr(self, name) >= 1 or getattr(self, name) == -1), name, "must be >= 1, or -1 for no limit")
         for name in ("num_cpus_per_replica", "num_gpus_per_replica", "ingress_num_cpus"):
-            _require(getattr(self, name) >= 0, name, "must be >= 0")
+            require(getattr(self, name) >= 0, name, "must be >= 0")
         for name in ("request_routing_stats_period_s", "health_check_period_s", "health_check_timeout_s", "request_timeout_s",
                      "engine_stall_timeout_s", "drain_timeout_s", "stream_keepalive_s"):
-            _require(getattr(self, name) > 0, name, "must be > 0")
-        _require(self.torch_num_threads >= 0, "torch_num_threads", "must be >= 0 (0: all cores)")
-        _require(self.max_request_bytes >= 1024, "max_request_bytes", "must be >= 1024")
-        _require(self.replica_failure_retries >= 0, "replica_failure_retries", "must be >= 0")
-        _require(self.retry_after_s >= 0, "retry_after_s", "must be >= 0")
-        _require(0 <= self.stream_batch_interval_s <= 1, "stream_batch_interval_s", "must be in [0, 1] seconds")
-        _require(isinstance(self.stream_multiplexing, bool), "stream_multiplexing", "must be true or false")
+            require(getattr(self, name) > 0, name, "must be > 0")
+        require(self.torch_num_threads >= 0, "torch_num_threads", "must be >= 0 (0: all cores)")
+        require(self.max_request_bytes >= 1024, "max_request_bytes", "must be >= 1024")
+        require(self.replica_failure_retries >= 0, "replica_failure_retries", "must be >= 0")
+        require(self.retry_after_s >= 0, "retry_after_s", "must be >= 0")
+        require(0 <= self.stream_batch_interval_s <= 1, "stream_batch_interval_s", "must be in [0, 1] seconds")
+        require(isinstance(self.stream_multiplexing, bool), "stream_multiplexing", "must be true or false")
         for path in self.stat_logger_factories:
-            _require(isinstance(path, str) and ":" in path, "stat_logger_factories", f"expected 'module:callable', got {path!r}")
-        _require(not self.fault_hook_factory or ":" in self.fault_hook_factory, "fault_hook_factory", "expected 'module:callable'")
-        _require(isinstance(self.max_stream_buffer_tokens, int) and self.max_stream_buffer_tokens >= 1024,
+            require(isinstance(path, str) and ":" in path, "stat_logger_factories", f"expected 'module:callable', got {path!r}")
+        require(not self.fault_hook_factory or ":" in self.fault_hook_factory, "fault_hook_factory", "expected 'module:callable'")
+        require(isinstance(self.max_stream_buffer_tokens, int) and self.max_stream_buffer_tokens >= 1024,
                  "max_stream_buffer_tokens", "must be an integer >= 1024")
-        _require(isinstance(self.openapi_docs, bool), "openapi_docs", "must be true or false")
-        _require(isinstance(self.exit_on_engine_death, bool), "exit_on_engine_death", "must be true or false")
+        require(isinstance(self.openapi_docs, bool), "openapi_docs", "must be true or false")
+        require(isinstance(self.exit_on_engine_death, bool), "exit_on_engine_death", "must be true or false")
         if self.request_router_class:
-            _require("." in self.request_router_class or ":" in self.request_router_class, "request_router_class", "expected an import path")
+            require("." in self.request_router_class or ":" in self.request_router_class, "request_router_class", "expected an import path")
         from serve_app.serving.routing_policy import ROUTER_CLASSES, KVRouterSettings  # no Ray import
 
-        _require(self.router in ROUTER_CLASSES, "router", f"must be one of {tuple(ROUTER_CLASSES)}, got {self.router!r}")
-        _require(self.prefix_cache_salt in PREFIX_CACHE_SALTS, "prefix_cache_salt", f"must be one of {PREFIX_CACHE_SALTS}")
-        _require(isinstance(self.allow_unauthenticated, bool), "allow_unauthenticated", "must be true or false")
-        _require(isinstance(self.api_keys_file, str), "api_keys_file", "must be a path")
-        _require(self.api_keys_reload_s > 0, "api_keys_reload_s", "must be > 0")
+        require(self.router in ROUTER_CLASSES, "router", f"must be one of {tuple(ROUTER_CLASSES)}, got {self.router!r}")
+        require(self.prefix_cache_salt in PREFIX_CACHE_SALTS, "prefix_cache_salt", f"must be one of {PREFIX_CACHE_SALTS}")
+        require(isinstance(self.allow_unauthenticated, bool), "allow_unauthenticated", "must be true or false")
+        require(isinstance(self.api_keys_file, str), "api_keys_file", "must be a path")
+        require(self.api_keys_reload_s > 0, "api_keys_reload_s", "must be > 0")
         if self.router_kwargs:
-            _require(self.router in ("prefix_aware", "kv_aware") and not self.request_router_class, "router_kwargs",
+            require(self.router in ("prefix_aware", "kv_aware") and not self.request_router_class, "router_kwargs",
                      "only the prefix_aware and kv_aware routers take options")
             KVRouterSettings.from_kwargs(dict(self.router_kwargs))  # validates names and values
-        _require(isinstance(self.max_replicas_per_node, int) and self.max_replicas_per_node >= 0,
+        require(isinstance(self.max_replicas_per_node, int) and self.max_replicas_per_node >= 0,
                  "max_replicas_per_node", "must be an integer >= 0 (0: no limit)")
         if self.autoscaling:
             scaling = self.autoscaling_settings()  # validates names and values
-            _require(self.num_replicas == 1, "num_replicas", "leave it unset with `autoscaling` (min/max_replicas decide)")
-            _require(scaling.target_ongoing_requests <= self.max_ongoing_requests, "autoscaling",
+            require(self.num_replicas == 1, "num_replicas", "leave it unset with `autoscaling` (min/max_replicas decide)")
+            require(scaling.target_ongoing_requests <= self.max_ongoing_requests, "autoscaling",
                      f"target_ongoing_requests ({scaling.target_ongoing_requests}) must not exceed "
                      f"max_ongoing_requests ({self.max_ongoing_requests}), the per-replica cap")
 
@@ -424,54 +406,59 @@ class ServeConfig:
 
     def engine_config(self) -> EngineConfig:
         """The native engine's config (`backend: native`)."""
-        _require(self.backend == "native", "backend", f"engine_config() is the native engine's; this is {self.backend!r}")
-        return EngineConfig.from_kwargs(self.model, **self.engine_kwargs)
+        options = self.backend_options()
+        require(isinstance(options, EngineConfig), "backend", f"engine_config() is the native engine's; this is {self.backend!r}")
+        return options
 
     def vllm_options(self) -> VLLMOptions:
         """The vLLM engine's options (`backend: vllm`)."""
-        from serve_app.backends.vllm_options import VLLMOptions  # noqa: F811 - no vllm import
-
-        _require(self.backend == "vllm", "backend", f"vllm_options() is the vLLM backend's; this is {self.backend!r}")
-        return VLLMOptions.from_kwargs(**self.engine_kwargs)
+        require(self.backend in BACKENDS and BACKENDS[self.backend].options is _vllm_options, "backend",
+                f"vllm_options() is the vLLM backend's; this is {self.backend!r}")
+        return self.backend_options()
 
     def backend_options(self) -> Any:
         """The engine options, validated: `EngineConfig` (native), `VLLMOptions` (vllm) or a plugin's."""
-        if self.backend == "vllm":
-            return self.vllm_options()
-        if self.backend == "native":
-            return self.engine_config()
+        kind = BACKENDS.get(self.backend)
+        if kind is not None:
+            return kind.options(self.model, self.engine_kwargs)
         return self.backend_class().options_from_kwargs(self.engine_kwargs)
 
     def backend_class(self) -> Any:
-        """A plugin backend's class (`backend: "module:Class"`, a `serve_app.backends.Backend` subclass
-        with `options_from_kwargs(engine)` and `from_serve_config(config, stat_loggers)`)."""
+        """The backend's class: a built-in one's (`BACKENDS`) or a plugin's (`backend: "module:Class"`, a
+        `serve_app.backends.Backend` subclass with `options_from_kwargs(engine)` and
+        `from_serve_config(config, stat_loggers, fault_hook)`)."""
         import importlib
 
-        module, _, name = self.backend.partition(":")
+        path = BACKENDS[self.backend].backend_class if self.backend in BACKENDS else self.backend
+        module, _, name = path.partition(":")
         try:
             cls = getattr(importlib.import_module(module), name)
         except (ImportError, AttributeError) as exc:
             raise ValueError(f"backend: cannot import {self.backend!r}: {exc}") from exc
         from serve_app.backends.base import Backend
 
-        _require(isinstance(cls, type) and issubclass(cls, Backend), "backend", f"{self.backend!r} is not a Backend class")
+        require(isinstance(cls, type) and issubclass(cls, Backend), "backend", f"{self.backend!r} is not a Backend class")
         return cls
 
     @property
     def device(self) -> str:
-        """Where the engine runs: "cpu" or "cuda[:N]" (either backend)."""
-        if self.backend == "native":
-            return self.engine_config().model.device
+        """Where the engine runs: "cpu" or "cuda[:N]" (any backend)."""
         return self.backend_options().device
 
     @property
     def kv_block_size(self) -> int:
         """Tokens per KV-cache block in the engine (routers estimate a request's blocks with it)."""
-        if self.backend == "native":
-            return self.engine_config().cache.block_size
-        if self.backend == "vllm":
-            return self.vllm_options().effective_block_size
-        return self.backend_options().block_size
+        return self.backend_options().kv_block_size
+
+    @property
+    def world_size(self) -> int:
+        """Engine ranks per replica (processes or GPUs; 1 unless the backend splits the model)."""
+        return getattr(self.backend_options(), "world_size", 1)
+
+    @property
+    def step_token_budget(self) -> int | None:
+        """Tokens one engine step computes at most, where the backend says (None otherwise)."""
+        return getattr(self.backend_options(), "step_token_budget", None)
 
     def autoscaling_settings(self) -> AutoscalingSettings | None:
         """The LLMServer autoscaling settings, None for a fixed `num_replicas`."""

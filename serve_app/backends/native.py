@@ -86,6 +86,10 @@ class NativeBackend(Backend):
     def prefix_cache_update(self) -> dict[str, Any]:
         return {} if self._publisher is None or self._engine is None else self._publisher.next_update()
 
+    @classmethod
+    def from_serve_config(cls, config: Any, stat_loggers: Sequence[Any] = (), fault_hook: Any = None) -> NativeBackend:
+        return cls(config.engine_config(), config.model_name, stat_loggers, fault_hook)
+
     def model_info(self) -> ModelInfo:
         inputs = self.engine.engine.input_processor
         return ModelInfo(name=self.model_name, max_model_len=self.engine.max_model_len, backend="native",

@@ -74,6 +74,11 @@ class VLLMBackend(Backend):
     """Wraps one `AsyncLLM`. `stat_loggers` are our engine stat loggers (`record`, `record_load`),
     fed with vLLM's stats mapped onto our types."""
 
+    @classmethod
+    def from_serve_config(cls, config: Any, stat_loggers: Sequence[Any] = (), fault_hook: Any = None) -> VLLMBackend:
+        """`fault_hook` reaches only the native engine's stages: ignored here."""
+        return cls(config.model, config.vllm_options(), config.model_name, stat_loggers)
+
     def __init__(self, model: str, options: VLLMOptions, model_name: str = "", stat_loggers: Sequence[Any] = ()) -> None:
         self.model = model
         self.options = options

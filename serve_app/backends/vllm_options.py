@@ -50,7 +50,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
-from serve_app.config import SpeculativeConfig
+from serve_app.speculative_config import SpeculativeConfig
 
 DTYPES = ("float32", "bfloat16", "float16")
 GIB = 1 << 30
@@ -159,6 +159,11 @@ class VLLMOptions:
     def effective_block_size(self) -> int:
         """The KV block size the engine will use (routers estimate a request's blocks with it)."""
         return self.block_size or (128 if self.device == "cpu" else 16)
+
+    @property
+    def kv_block_size(self) -> int:
+        """The serving layer's name for it (`config.BackendKind`)."""
+        return self.effective_block_size
 
     def async_engine_args(self, model: str, served_model_name: str) -> dict[str, Any]:
         """Keyword arguments for `vllm.AsyncEngineArgs` (stats on, vLLM's own log lines off)."""

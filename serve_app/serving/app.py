@@ -47,8 +47,8 @@ def request_router_config(config: ServeConfig) -> RequestRouterConfig:
                   "stats_period_s": config.request_routing_stats_period_s,
                   # no request outlives its timeout: a ledger entry older than that lost its completion
                   "confirmed_ttl_s": config.request_timeout_s + 60.0}
-        if same("prefix_aware") and config.backend == "native":
-            kwargs["step_token_budget"] = config.engine_config().scheduler.max_num_batched_tokens
+        if same("prefix_aware") and config.step_token_budget is not None:
+            kwargs["step_token_budget"] = config.step_token_budget
         kwargs.update(dict(config.router_kwargs))
     elif same("round_robin"):
         kwargs = {"model_name": config.model_name}

@@ -23,7 +23,7 @@ def replica_placement(config: ServeConfig) -> dict[str, Any]:
     """Keyword arguments for `LLMServer.options(...)`: `ray_actor_options` and, for a multi-rank
     engine, `placement_group_bundles` and `placement_group_strategy`."""
     actor: dict[str, Any] = {"num_cpus": config.num_cpus_per_replica}
-    ranks = config.vllm_options().world_size if config.backend == "vllm" else 1
+    ranks = config.world_size
     if ranks == 1:
         if config.num_gpus_per_replica:
             actor["num_gpus"] = config.num_gpus_per_replica

@@ -58,6 +58,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from serve_app.validation import require
+
 # The routers `ServeConfig.router` selects (import paths, so this module needs no Ray import).
 ROUTER_CLASSES: dict[str, str] = {
     "prefix_aware": "serve_app.serving.prefix_router:PrefixAwareRouter",
@@ -68,11 +70,6 @@ ROUTER_CLASSES: dict[str, str] = {
 # ChatML overhead per message ("<|im_start|>role\n" ... "<|im_end|>\n") and for the assistant prefix
 CHAT_TOKENS_PER_MESSAGE = 5
 CHAT_TOKENS_FIXED = 3
-
-
-def _require(cond: bool, name: str, msg: str) -> None:
-    if not cond:
-        raise ValueError(f"{name}: {msg}")
 
 
 @dataclass(frozen=True)
@@ -112,20 +109,20 @@ class KVRouterSettings:
     seed: int | None = None  # random tie-break among equal replicas
 
     def __post_init__(self) -> None:
-        _require(isinstance(self.block_size, int) and self.block_size >= 1, "block_size", "must be an integer >= 1")
+        require(isinstance(self.block_size, int) and self.block_size >= 1, "block_size", "must be an integer >= 1")
         for name in ("prompt_weight", "output_weight", "waiting_weight", "prefill_weight", "tie_tolerance", "sample_lag_s",
                      "max_stats_age_s", "default_prefill_s_per_token", "default_decode_s_per_token", "default_step_fixed_s",
                      "ttft_tie_tolerance_s", "ttft_tie_ratio", "recompute_weight"):
             value = getattr(self, name)
-            _require(isinstance(value, int | float) and value >= 0 and math.isfinite(value), name, "must be a finite number >= 0")
-        _require(isinstance(self.max_expected_output_tokens, int) and self.max_expected_output_tokens >= 0,
+            require(isinstance(value, int | float) and value >= 0 and math.isfinite(value), name, "must be a finite number >= 0")
+        require(isinstance(self.max_expected_output_tokens, int) and self.max_expected_output_tokens >= 0,
                  "max_expected_output_tokens", "must be an integer >= 0")
         for name in ("step_token_budget", "affinity_blocks"):
-            _require(isinstance(getattr(self, name), int) and getattr(self, name) >= 1, name, "must be an integer >= 1")
+            require(isinstance(getattr(self, name), int) and getattr(self, name) >= 1, name, "must be an integer >= 1")
         for name in ("chars_per_token", "stats_period_s", "reservation_ttl_s", "confirmed_ttl_s", "max_occupancy"):
             value = getattr(self, name)
-            _require(isinstance(value, int | float) and value > 0, name, "must be > 0")
-        _require(self.metrics in ("ray", "prometheus", "none"), "metrics", "must be 'ray', 'prometheus' or 'none'")
+            require(isinstance(value, int | float) and value > 0, name, "must be > 0")
+        require(self.metrics in ("ray", "prometheus", "none"), "metrics", "must be 'ray', 'prometheus' or 'none'")
         if self.max_stats_age_s == 0:
             # lenient: on a busy machine the controller's poll and broadcast lag by a second or more,
             # and a needless fallback to least-in-flight ignores load this router did not send

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from serve_app.block_hash import extend_block_hashes
-from serve_app.config import SchedulerConfig, SpeculativeConfig
+from serve_app.config import SchedulerConfig
 from serve_app.engine.block_manager import BlockManager, cdiv
 from serve_app.engine.outputs import ModelRunnerOutput
 from serve_app.engine.request import Request
@@ -19,6 +19,7 @@ from serve_app.engine.spec_decode.acceptance import accept
 from serve_app.engine.spec_decode.proposer import Proposal
 from serve_app.engine.spec_decode.speculator import Speculator
 from serve_app.engine.step_cost import StepCostFit
+from serve_app.speculative_config import SpeculativeConfig
 from serve_app.types import SamplingParams
 
 BLOCK = 4

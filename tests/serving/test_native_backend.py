@@ -97,6 +97,7 @@ def test_backend_streams_deltas_and_reports_load(model_dir):
     asyncio.run(main())
 
 
+@pytest.mark.cluster  # the replica class reads Ray's runtime context: that starts a local Ray
 def test_llm_server_replica_health_and_engine_death(model_dir):
     """The replica class as Serve drives it: stats, chunks, then a dying engine loop fails requests
     with BackendDeadError and makes check_health raise (so Serve replaces the replica)."""
