@@ -7,6 +7,9 @@ Markers (registered in pyproject.toml; docs/testing.md explains the tiers):
   `ray.init`, `serve.run`, `init_local_ray`, ...) in its own body or in the body of any fixture it
   uses, however indirectly (pytest's resolved fixture closure); a test that starts one some other
   way says so itself with `pytest.mark.cluster`.
+- `heavy`: the test runs the real model in-process for many steps, seconds to a minute each
+  (exactness against HF, batch invariance, speculation, faults at every stage). Marked by hand,
+  per module or per test, when a test costs more than a few seconds of CPU.
 - `prometheus`: the test needs Debian's `prometheus` / `promtool` binaries (installed as root by
   `make system-deps`; `make test` does it, `make test-fast` does not need it). Marked by hand.
 - `slow`, `vllm`, `gpu`: outside the default suite (unchanged).
@@ -28,7 +31,7 @@ from collections.abc import Callable, Iterable
 import pytest
 
 # what `make test-fast` leaves out (pyproject's addopts already leave out slow, vllm and gpu)
-FAST_EXCLUDES = ("cluster", "prometheus", "slow", "vllm", "gpu")
+FAST_EXCLUDES = ("cluster", "heavy", "prometheus", "slow", "vllm", "gpu")
 FAST_MARKEXPR = " and ".join(f"not {m}" for m in FAST_EXCLUDES)
 
 # calls that start a cluster or a server process: `ray.init(...)`, `serve.run(...)`, or a helper by name

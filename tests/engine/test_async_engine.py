@@ -9,6 +9,8 @@ import pytest
 from serve_app.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from serve_app.types import GenerateRequest, SamplingParams
 
+pytestmark = pytest.mark.heavy  # the real model behind the async engine, against HF: make test, not make test-fast
+
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 
 

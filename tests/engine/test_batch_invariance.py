@@ -19,6 +19,8 @@ from serve_app.engine import LLM, cpu_kernels
 from serve_app.types import SamplingParams
 from tests.engine.logits_recorder import LogitsRecorder
 
+pytestmark = pytest.mark.heavy  # every execution path over many step shapes: make test, not make test-fast
+
 PROMPTS = [
     "What is the capital of France?",
     "Repeat exactly: the quick brown fox jumps over the lazy dog. The quick brown fox jumps over",

@@ -23,6 +23,8 @@ from serve_app.engine.spec_decode.rejection import rejection_sample
 from tests.engine.conftest import MAX_TOKENS
 from tests.engine.test_exact_hf import Collect
 
+pytestmark = pytest.mark.heavy  # a draft model beside the target, many steps each: make test, not make test-fast
+
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
 LONG = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
 PERTURBATION = 0.05  # noise std per weight matrix, relative to the matrix's std: about half the proposals accepted

@@ -9,6 +9,8 @@ from serve_app.engine.llm import merge_outputs
 from serve_app.types import GenerateRequest
 from tests.engine.conftest import MAX_TOKENS
 
+pytestmark = pytest.mark.heavy  # the real model against HF transformers' greedy output: make test, not make test-fast
+
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
 
 

@@ -10,9 +10,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from serve_app.engine import LLM
 from serve_app.types import SamplingParams
 from tests.engine.logits_recorder import LogitsRecorder
+
+pytestmark = pytest.mark.heavy  # thirty chats, alone and together: make test, not make test-fast
 
 CHATS = json.loads((Path(__file__).parent / "data" / "invariance_chats.json").read_text())
 

@@ -90,6 +90,7 @@ def test_pack_rejects_shapes_the_layout_cannot_hold():
     assert cpu_kernels.linear_kernels([960, 576, 3072, 49155], [576, 576, 1536]) is None  # a vocab the layout cannot pad
 
 
+@pytest.mark.heavy  # the whole model, every path
 def test_model_logits_on_the_kernels_no_further_from_fp32_than_on_onednn(model_dir, prompt_ids):
     """bf16, real model, one step prefilling 8 prompts (every projection, the lm_head on 8 rows): on
     the kernels the logits are within bf16 noise of the fp32 engine's and no further from them than

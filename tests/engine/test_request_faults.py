@@ -15,6 +15,8 @@ from serve_app.faults import Stage
 from serve_app.types import GenerateRequest, RequestFailedError, SamplingParams
 from tests.serving.faults import RequestFaults, fault_user
 
+pytestmark = pytest.mark.heavy  # the real model, a fault at every stage: make test, not make test-fast
+
 NEIGHBOUR_TOKENS = 24
 PARAMS = SamplingParams(temperature=0.0, max_tokens=NEIGHBOUR_TOKENS, ignore_eos=True)
 

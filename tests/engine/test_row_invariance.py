@@ -64,6 +64,7 @@ def test_projection_as_the_engine_calls_it_is_row_count_invariant(proj, n, k):
     assert torch.equal(whole[:64], alone)
 
 
+@pytest.mark.heavy  # the whole model, every path
 @pytest.mark.skipif(KERNELS is None, reason="needs AVX512-BF16 (the C++ bf16 kernels)")
 def test_fp32_logits_are_row_count_invariant_on_every_logits_path():
     for proj in (Projection("kernels-logits", KERNELS.logits, KERNELS.pack),
@@ -84,6 +85,7 @@ def test_measurement_finds_onednn_row_count_dependence():
     assert invariant_tiling(Projection("onednn", _packed_linear, reorder), 576, 1536, torch.bfloat16, STEP_ROWS) != UNTILED
 
 
+@pytest.mark.heavy  # the whole model, every path
 def test_self_check_failure_falls_back_and_says_why(model_dir, monkeypatch, caplog):
     from serve_app.engine import model_runner
 

@@ -9,6 +9,8 @@ from serve_app.engine import LLM, SamplingParams
 from tests.engine.conftest import MAX_TOKENS
 from tests.engine.test_exact_hf import Collect
 
+pytestmark = pytest.mark.heavy  # the real model with and without speculation, against HF: make test, not make test-fast
+
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
 PARAGRAPH = ("The old lighthouse keeper climbed the spiral stairs every evening at dusk, lit the great lamp, "
              "and wrote the names of passing ships in a leather notebook that his grandfather had given him.")

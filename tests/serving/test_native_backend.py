@@ -16,6 +16,8 @@ from serve_app.config import ServeConfig
 from serve_app.serving.llm_server import GenerationChunk, LLMServer
 from serve_app.types import FinishReason, GenerateRequest, SamplingParams
 
+pytestmark = pytest.mark.heavy  # the real model behind the backend and the replica class: make test, not make test-fast
+
 NUM_BLOCKS = 64
 
 
