@@ -24,7 +24,7 @@ model: $(STAMP)
 	$(PY) -m serve_app.engine.models.convert --out $(MODEL_DIR)
 
 # The test tiers (docs/testing.md). test-fast: no Ray cluster, no served model, no Prometheus, no root
-# (day-to-day work, about 2 min on 2 cores). test: the default suite (everything but slow, vllm, gpu),
+# (day-to-day work, about 1.5 min on 2 cores). test: the default suite (everything but slow, vllm, gpu),
 # Prometheus installed first. test-all: + the slow tests.
 FAST_MARKERS := not cluster and not heavy and not prometheus and not slow and not vllm and not gpu
 test-fast: install model
