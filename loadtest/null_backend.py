@@ -345,7 +345,9 @@ class NullBackend(Backend):
         return self.engine.load()
 
     def model_info(self) -> ModelInfo:
-        return ModelInfo(name=self.model_name, max_model_len=self.options.max_model_len, backend="null")
+        tokenizer_class = None if self._input is None else self._input.tokenizer_class  # the ingress loads the same, torch-free
+        return ModelInfo(name=self.model_name, max_model_len=self.options.max_model_len, backend="null",
+                         tokenizer_class=tokenizer_class)
 
     def check_health(self) -> None:
         if not self.engine.alive():
