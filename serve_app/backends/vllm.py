@@ -167,7 +167,7 @@ class VLLMBackend(Backend):
         self.check_health()
         assert self._input is not None
         processed = self._input.process(request)  # ValueError ("prompt: ...") before queuing
-        prompt_ids = processed.prompt_token_ids
+        prompt_ids = list(processed.prompt_token_ids)  # vLLM takes a list
         # the processed parameters: model-dependent bounds applied (top_k past the vocabulary is off)
         params = self._sampling_params(processed.sampling_params)
         arrival = request.arrival_time
