@@ -31,6 +31,13 @@ MAX_CONTENT_PARTS = 64
 MAX_MESSAGE_NAME_CHARS = 256
 MAX_METADATA_ENTRIES = 16
 MAX_METADATA_CHARS = 512  # each metadata key and value
+MAX_TOOLS = 128  # OpenAI's limit on `tools`
+MAX_TOOL_NAME_CHARS = 64  # OpenAI's: a function name matches ^[a-zA-Z0-9_-]{1,64}$
+MAX_TOOL_DESCRIPTION_CHARS = 4096
+MAX_TOOL_SCHEMA_CHARS = 32768  # one function's `parameters`, as compact JSON
+MAX_TOOL_SCHEMA_DEPTH = 16  # nesting of objects and arrays in one `parameters` schema
+MAX_TOOL_CALLS_PER_MESSAGE = 128  # `tool_calls` of one earlier assistant message
+MAX_TOOL_CALL_ID_CHARS = 256
 
 
 def wrap_int64(value: int) -> int:

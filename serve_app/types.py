@@ -152,7 +152,9 @@ class GenerateRequest:
     the engine looks up): the engine uses them and does not tokenize again; `prompt`/`messages` then
     only describe the request (logs, routers that read text). `cache_salt` keeps the request's
     cached prefix apart from those of other salts (tenants). `user` (OpenAI's end-user id) is a
-    routing tie-break: a session's requests prefer the replica that served it.
+    routing tie-break: a session's requests prefer the replica that served it. `tools` (with
+    `messages` only): OpenAI tool definitions for a chat template that renders them
+    (`serving/tool_prompt.py`).
     """
 
     request_id: str
@@ -163,10 +165,13 @@ class GenerateRequest:
     prompt_token_ids: tuple[int, ...] | None = None
     cache_salt: str | None = None
     user: str | None = None
+    tools: tuple[dict, ...] | None = None
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("prompt: give exactly one of prompt and messages")
+        if self.tools is not None and self.messages is None:
+            raise ValueError("tools: only with messages")
 
 
 @dataclass(frozen=True)

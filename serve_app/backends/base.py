@@ -74,6 +74,7 @@ class ModelInfo:
     max_model_len: int
     backend: str
     generation_defaults: GenerationDefaults = GenerationDefaults()  # EOS ids, sampling defaults of the checkpoint
+    chat_template_tools: bool = False  # the chat template renders `tools` itself (serving/tool_prompt.py)
 
 
 class BackendDeadError(RuntimeError):

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from serve_app.backends.base import Backend, BackendDeadError, ModelInfo, RoutingStats
 from serve_app.config import EngineConfig
+from serve_app.serving.tool_prompt import template_renders_tools
 from serve_app.types import GenerateRequest, RequestOutput
 
 if TYPE_CHECKING:
@@ -87,8 +88,10 @@ class NativeBackend(Backend):
         return {} if self._publisher is None or self._engine is None else self._publisher.next_update()
 
     def model_info(self) -> ModelInfo:
+        processor = self.engine.engine.input_processor
         return ModelInfo(name=self.model_name, max_model_len=self.engine.max_model_len, backend="native",
-                         generation_defaults=self.engine.engine.input_processor.generation_defaults)
+                         generation_defaults=processor.generation_defaults,
+                         chat_template_tools=template_renders_tools(getattr(processor.hf_tokenizer, "chat_template", None)))
 
     def check_health(self) -> None:
         try:

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 from serve_app.backends.base import Backend, BackendDeadError, ModelInfo, RoutingStats
 from serve_app.backends.vllm_options import VLLMOptions
 from serve_app.backends.vllm_stats import VLLMStatsBridge, finish_reason, make_vllm_stat_logger
+from serve_app.serving.tool_prompt import template_renders_tools
 from serve_app.types import (
     FinishReason,
     GenerateRequest,
@@ -246,7 +247,8 @@ class VLLMBackend(Backend):
         self.engine  # noqa: B018
         assert self._input is not None
         return ModelInfo(name=self.model_name, max_model_len=self._max_model_len, backend="vllm",
-                         generation_defaults=self._input.generation_defaults)
+                         generation_defaults=self._input.generation_defaults,
+                         chat_template_tools=template_renders_tools(getattr(self._input.hf_tokenizer, "chat_template", None)))
 
     def check_health(self) -> None:
         if self.engine.errored:

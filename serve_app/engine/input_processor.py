@@ -20,6 +20,7 @@ below the vocabulary size; `top_k` at or above it keeps every token and becomes 
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +66,9 @@ class InputProcessor:
         """The fast (Rust) tokenizer used for incremental detokenization, or None without one."""
         return None if self.hf_tokenizer is None else self.hf_tokenizer.backend_tokenizer
 
-    def apply_chat_template(self, messages: list[dict[str, Any]] | tuple[dict[str, Any], ...]) -> list[int]:
+    def apply_chat_template(self, messages: list[dict[str, Any]] | tuple[dict[str, Any], ...],
+                            tools: tuple[dict[str, Any], ...] | None = None) -> list[int]:
+        """`tools`: OpenAI tool definitions, handed to a template that renders them."""
         if self.hf_tokenizer is None or not getattr(self.hf_tokenizer, "chat_template", None):
             raise ValueError("messages: this model has no chat template")
         if not messages:
@@ -73,11 +76,11 @@ class InputProcessor:
         for m in messages:
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise ValueError("messages: each message needs a string 'role' and a string 'content'")
-        self.check_text_fits("messages", sum(len(m["content"]) + len(m.get("name") or "") for m in messages))
+        self.check_text_fits("messages", sum(len(m["content"]) + len(m.get("name") or "") for m in messages)
+                             + (len(json.dumps(tools)) if tools else 0))
         return list(
-            self.hf_tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True, return_dict=True)[
-                "input_ids"
-            ]
+            self.hf_tokenizer.apply_chat_template(list(messages), tools=list(tools) if tools else None,
+                                                  add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
         )
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -94,7 +97,7 @@ class InputProcessor:
         if request.prompt_token_ids is not None:  # tokenized by the ingress
             token_ids = self.tokenize(list(request.prompt_token_ids))
         elif request.messages is not None:
-            token_ids = self.apply_chat_template(request.messages)
+            token_ids = self.apply_chat_template(request.messages, request.tools)
         else:
             token_ids = self.tokenize(request.prompt)
         if not token_ids:

@@ -53,6 +53,7 @@ from serve_app.serving.openai_protocol import ChatCompletionRequest, CompletionR
 from serve_app.serving.responses import DONE_EVENT, KEEPALIVE_EVENT, ChoiceState, ResponseBuilder
 from serve_app.serving.stream_mux import MuxReceiver
 from serve_app.serving.streams import ChoicePump, ChoiceStream, MuxedChoiceStream, start_all
+from serve_app.serving.tool_prompt import render_chat
 from serve_app.types import GenerateRequest
 
 logger = logging.getLogger("ray.serve")
@@ -156,15 +157,19 @@ class OpenAIAPI:
         self._check_model(body.model)
         body.validate_supported(self.config.max_n)
         self._check_fan_out(1, body.n)
-        messages = body.engine_messages()
+        tools = body.tool_request()
+        messages, template_tools = render_chat(body.engine_messages(), tools, self.info.chat_template_tools)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        first = await self._prepare(GenerateRequest(request_id, messages=messages), salt)
+        params = [body.sampling_params(j, self.info.generation_defaults) for j in range(body.n)]
+        if tools is not None:
+            params = [tools.sampling_params(p) for p in params]
+        first = await self._prepare(GenerateRequest(request_id, messages=messages, tools=template_tools), salt)
         requests = [
-            GenerateRequest(f"{request_id}-0-{j}", messages=messages, sampling_params=body.sampling_params(j, self.info.generation_defaults),
-                            prompt_token_ids=first.prompt_token_ids, cache_salt=salt, user=body.user)
-            for j in range(body.n)
+            GenerateRequest(f"{request_id}-0-{j}", messages=messages, sampling_params=p, prompt_token_ids=first.prompt_token_ids,
+                            cache_salt=salt, user=body.user, tools=template_tools)
+            for j, p in enumerate(params)
         ]
-        builder = ResponseBuilder("chat", request_id, self.info.name, body.include_usage, body.continuous_usage)
+        builder = ResponseBuilder("chat", request_id, self.info.name, body.include_usage, body.continuous_usage, tools)
         return await self._generate(builder, requests, [0] * body.n, body.stream, CHAT_PARAM_ALIASES)
 
     def _check_fan_out(self, num_prompts: int, n: int) -> None:
@@ -195,7 +200,7 @@ class OpenAIAPI:
         streams = [self._stream(r, str(i) if fan_out else "") for i, r in enumerate(requests)]
         async with asyncio.timeout_at(deadline):
             firsts = await start_all(streams)  # errors (400, 503, ...) surface here, before any byte is sent
-        choices = [ChoiceState(prompt_index=p) for p in prompt_indexes]
+        choices = [builder.new_choice(p) for p in prompt_indexes]
         for choice, first in zip(choices, firsts, strict=True):
             choice.add(first)
         pump = ChoicePump(streams, self.config.max_stream_buffer_tokens if stream else None).start()
