@@ -65,7 +65,10 @@ def _valid(arguments: dict[str, Any], tool: Any) -> bool:
         return True
     from jsonschema import Draft202012Validator
 
-    return Draft202012Validator(tool.parameters).is_valid(arguments)
+    try:
+        return Draft202012Validator(tool.parameters).is_valid(arguments)
+    except Exception:  # noqa: BLE001 - e.g. a `$ref` that resolves nowhere (never fetched): not a valid call
+        return False
 
 
 class HermesCallExtractor:
