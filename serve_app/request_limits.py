@@ -31,6 +31,11 @@ MAX_CONTENT_PARTS = 64
 MAX_MESSAGE_NAME_CHARS = 256
 MAX_METADATA_ENTRIES = 16
 MAX_METADATA_CHARS = 512  # each metadata key and value
+MAX_LOGIT_BIAS = 300  # logit_bias entries (OpenAI's limit)
+MAX_LOGIT_BIAS_VALUE = 100.0  # each bias in [-100, 100] (OpenAI's range)
+MAX_GRAMMAR_CHARS = 65536  # a JSON schema, regex or grammar's text (compiling one is work on the replica)
+MAX_CHOICES = 256  # structured outputs `choice`: alternatives
+MAX_CHOICE_CHARS = 1024  # each alternative
 
 
 def wrap_int64(value: int) -> int:
