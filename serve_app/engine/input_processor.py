@@ -14,7 +14,8 @@ tokenized: no token is longer than the vocabulary's longest entry (`max_token_ch
 more than `max_model_len * max_token_chars` characters has more tokens than the context holds.
 
 Model-dependent bounds of `SamplingParams` live here, so both backends get them: `stop_token_ids`
-below the vocabulary size; `top_k` at or above it keeps every token and becomes 0 (disabled).
+and `logit_bias` token ids below the vocabulary size; a structured-output spec that parses
+(`grammar.check_structured`, about a millisecond; compiling it is the engine's); `top_k` at or above it keeps every token and becomes 0 (disabled).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from serve_app.engine.grammar import check_structured
 from serve_app.engine.request import Request
 from serve_app.generation_config import GenerationDefaults
 from serve_app.types import GenerateRequest
@@ -118,6 +120,11 @@ class InputProcessor:
             )
         if any(t >= self.vocab_size for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids: token ids must be integers in [0, {self.vocab_size})")
+        bad = [t for t, _ in params.logit_bias if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        if params.structured is not None:
+            check_structured(params.structured)  # a bad schema / regex / grammar: the library's message
         if params.top_k >= self.vocab_size:  # keeps every token: the same as off, and no huge integer reaches a tensor
             params = dataclasses.replace(params, top_k=0)
         return Request(

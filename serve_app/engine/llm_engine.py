@@ -132,4 +132,4 @@ class LLMEngine:
             stat_logger.record(stats, finished)
 
     def next_wakeup_s(self) -> float | None:
-        return self.core.scheduler.next_wakeup_s()
+        return self.core.next_wakeup_s()
