@@ -12,6 +12,8 @@ dashboards do not care which one serves:
 - `generate` streams deltas (`RequestOutputKind.DELTA`), the first an empty one as soon as vLLM has
   queued the request (so the stream's headers do not wait for the first token); leaving it early
   (`aclose()`, task cancellation) aborts the request in the engine core, which frees its KV blocks. `abort(request_id)` ends a running stream with an `abort` finish.
+- An output constraint (`SamplingParams.structured`: structured outputs, tool calling's required and
+  named modes) goes to vLLM as its `structured_outputs`; vLLM compiles and enforces it itself.
 - Routing stats and our metric names come from vLLM's stat-logger hook (`backends/vllm_stats.py`);
   aborted requests, which vLLM leaves out of its stats, are recorded here.
 - `check_health` raises `BackendDeadError` once vLLM's engine core has died;
@@ -38,6 +40,7 @@ from serve_app.types import (
     RequestMetrics,
     RequestOutput,
     SamplingParams,
+    StructuredOutput,
     TokenLogprob,
 )
 
@@ -69,6 +72,17 @@ def token_logprobs(token_ids: Sequence[int], logprobs: Any, num_top: int | None)
         out.append(TokenLogprob(token_id, sampled.decoded_token or "", sampled.logprob,
                                 tuple((t, lp.decoded_token or "", lp.logprob) for _, t, lp in top)))
     return tuple(out)
+
+
+def structured_outputs(structured: StructuredOutput | None) -> Any:
+    """Our output constraint as vLLM's `StructuredOutputsParams` (None: unconstrained)."""
+    if structured is None:
+        return None
+    from vllm.sampling_params import StructuredOutputsParams
+
+    return StructuredOutputsParams(json=structured.json_schema, regex=structured.regex, grammar=structured.grammar,
+                                   choice=list(structured.choice) if structured.choice is not None else None,
+                                   json_object=True if structured.json_object else None)
 
 
 class VLLMBackend(Backend):
@@ -156,6 +170,7 @@ class VLLMBackend(Backend):
             min_tokens=params.min_tokens,
             logprobs=params.logprobs,
             output_kind=RequestOutputKind.DELTA,
+            structured_outputs=structured_outputs(params.structured),
         )
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:

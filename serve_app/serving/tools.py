@@ -27,8 +27,13 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from serve_app.request_limits import MAX_STOP_STRINGS, MAX_TOOL_SCHEMA_CHARS, MAX_TOOL_SCHEMA_DEPTH
-from serve_app.types import SamplingParams
+from serve_app.request_limits import (
+    MAX_GRAMMAR_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_TOOL_SCHEMA_CHARS,
+    MAX_TOOL_SCHEMA_DEPTH,
+)
+from serve_app.types import SamplingParams, StructuredOutput
 
 Mode = Literal["none", "auto", "required", "function"]
 # a function without `parameters` takes none (OpenAI's reading): its arguments are exactly {}
@@ -85,11 +90,12 @@ class ToolRequest:
     def sampling_params(self, params: SamplingParams) -> SamplingParams:
         """`params` with this mode's constraint (required / named) or stop string (auto, one call)."""
         if self.constrained:
-            from serve_app.types import StructuredOutput
-
             if params.structured is not None:
                 raise ValueError("response_format: cannot be combined with tool_choice 'required' or a named function")
             schema = json.dumps(self.output_schema(), ensure_ascii=False)
+            if len(schema) > MAX_GRAMMAR_CHARS:
+                raise ValueError(f"tools: tool_choice {self.mode!r} constrains the output with the tools' schemas, "
+                                 f"{len(schema)} characters of JSON schema here, over the limit of {MAX_GRAMMAR_CHARS}")
             return dataclasses.replace(params, structured=StructuredOutput(json_schema=schema))
         if self.mode == "auto" and not self.parallel and TOOL_CALL_CLOSE not in params.stop:
             if len(params.stop) >= MAX_STOP_STRINGS:

@@ -151,6 +151,32 @@ def test_what_reaches_the_engine():
     assert all(getattr(c.sampling_params, "structured", None) is None for c in handle.calls)  # auto and none: unconstrained
 
 
+def test_constrained_modes_reach_the_engine_as_json_schemas():
+    handle = FakeHandle(ok_script)
+    call = {"type": "object", "properties": {"name": {"const": "get_weather"}, "arguments": PARAMS}, "required": ["name", "arguments"],
+            "additionalProperties": False}
+    no_args = {"type": "object", "properties": {}, "additionalProperties": False}
+    now_call = {**call, "properties": {"name": {"const": "now"}, "arguments": no_args}}
+
+    async def main():
+        async with app_client(handle) as c:
+            for body in ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+                         {"tool_choice": {"type": "function", "function": {"name": "now"}}},
+                         {"tool_choice": "required", "parallel_tool_calls": False},
+                         {"tool_choice": "required"}):
+                r = await c.post("/v1/chat/completions", json={**CHAT, "tools": [WEATHER, NOW], **body})
+                assert r.status_code == 200, r.text
+            big = [tool(f"f{i}", parameters={"type": "object", "description": "x" * 30000}) for i in range(3)]
+            return error_of(await c.post("/v1/chat/completions", json={**CHAT, "tools": big, "tool_choice": "required"}), 400)
+
+    error = run(main())
+    assert error["param"] == "tools" and "over the limit of 65536" in error["message"]
+    schemas = [json.loads(c.sampling_params.structured.json_schema) for c in handle.calls]
+    assert schemas == [PARAMS, no_args, {"anyOf": [call, now_call]},
+                       {"type": "array", "items": {"anyOf": [call, now_call]}, "minItems": 1}]
+    assert all(c.sampling_params.stop == () for c in handle.calls)
+
+
 # ---- response shapes ---------------------------------------------------------------------------------
 def scripted(*pieces: str, reason: str = "stop"):
     def script(request, attempt):

@@ -14,8 +14,8 @@ pytest.importorskip("vllm")
 from serve_app.backends import make_backend  # noqa: E402
 from serve_app.config import ServeConfig  # noqa: E402
 from serve_app.engine import LLM  # noqa: E402
-from tests.serving.tool_requests import read_calls, tool_request, validated_calls  # noqa: E402
 from tests.serving.test_tool_calling import ASK, TOOLS  # noqa: E402
+from tests.serving.tool_requests import read_calls, tool_request, validated_calls  # noqa: E402
 from tests.vllm.conftest import ENGINE, EventLoop, collect  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
