@@ -13,7 +13,8 @@ dashboards do not care which one serves:
   queued the request (so the stream's headers do not wait for the first token); leaving it early
   (`aclose()`, task cancellation) aborts the request in the engine core, which frees its KV blocks. `abort(request_id)` ends a running stream with an `abort` finish.
 - An output constraint (`SamplingParams.structured`: structured outputs, tool calling's required and
-  named modes) goes to vLLM as its `structured_outputs`; vLLM compiles and enforces it itself.
+  named modes) goes to vLLM as its `structured_outputs`, as the same grammar the native engine
+  enforces (`structured_outputs()`); vLLM compiles and enforces it itself.
 - Routing stats and our metric names come from vLLM's stat-logger hook (`backends/vllm_stats.py`);
   aborted requests, which vLLM leaves out of its stats, are recorded here.
 - `check_health` raises `BackendDeadError` once vLLM's engine core has died;
@@ -75,14 +76,26 @@ def token_logprobs(token_ids: Sequence[int], logprobs: Any, num_top: int | None)
 
 
 def structured_outputs(structured: StructuredOutput | None) -> Any:
-    """Our output constraint as vLLM's `StructuredOutputsParams` (None: unconstrained)."""
+    """Our output constraint as vLLM's `StructuredOutputsParams` (None: unconstrained), enforcing the
+    grammar the native engine enforces (`engine/grammar.py`): JSON schemas and JSON objects go as
+    xgrammar's own EBNF for the schema compiled without free whitespace, choices as the native choice
+    grammar, so greedy output is the same on both backends (vLLM's `json` would allow any whitespace)."""
     if structured is None:
         return None
+    import xgrammar as xgr
     from vllm.sampling_params import StructuredOutputsParams
 
-    return StructuredOutputsParams(json=structured.json_schema, regex=structured.regex, grammar=structured.grammar,
-                                   choice=list(structured.choice) if structured.choice is not None else None,
-                                   json_object=True if structured.json_object else None)
+    from serve_app.engine.grammar import JSON_OBJECT_SCHEMA, choice_grammar
+
+    kind = structured.kind
+    if kind == "regex":
+        return StructuredOutputsParams(regex=structured.regex)
+    if kind == "choice":
+        return StructuredOutputsParams(grammar=choice_grammar(structured.choice))
+    if kind == "grammar":
+        return StructuredOutputsParams(grammar=structured.grammar)
+    schema = structured.json_schema if kind == "json_schema" else JSON_OBJECT_SCHEMA
+    return StructuredOutputsParams(grammar=str(xgr.Grammar.from_json_schema(schema, any_whitespace=False)))
 
 
 class VLLMBackend(Backend):

@@ -64,6 +64,13 @@ HEALTH_PERIOD_S = 1.0  # at most one engine check per this long per ingress repl
 CHAT_PARAM_ALIASES = {"prompt": "messages"}
 
 
+def chat_param_aliases(body: ChatCompletionRequest) -> dict[str, str]:
+    """A chat request's error params: under tool_choice "required" or a named function the output
+    constraint ("structured: ...") is made of the tools' schemas, so it names `tools`."""
+    constrained = bool(body.tools) and body.tool_choice not in (None, "none", "auto")
+    return CHAT_PARAM_ALIASES | {"structured": "tools"} if constrained else CHAT_PARAM_ALIASES
+
+
 class _ClosingStreamingResponse(StreamingResponse):
     """A StreamingResponse that always runs `on_close` (also when the client left before the first
     byte and the body iterator never started), so the replica calls are cancelled."""
@@ -170,7 +177,7 @@ class OpenAIAPI:
             for j, p in enumerate(params)
         ]
         builder = ResponseBuilder("chat", request_id, self.info.name, body.include_usage, body.continuous_usage, tools)
-        return await self._generate(builder, requests, [0] * body.n, body.stream, CHAT_PARAM_ALIASES)
+        return await self._generate(builder, requests, [0] * body.n, body.stream, chat_param_aliases(body))
 
     def _check_fan_out(self, num_prompts: int, n: int) -> None:
         """A request's engine requests must fit what one replica admits, else none is started."""
@@ -297,7 +304,7 @@ def build_fastapi_app(api: OpenAIAPI, api_key: str = "", record: Callable[[str, 
         try:
             return await api.chat_completions(body, salt(body, request))
         except Exception as exc:  # noqa: BLE001
-            return api.error(exc, CHAT_PARAM_ALIASES)
+            return api.error(exc, chat_param_aliases(body))
 
     if api.keyring is None and api_key:
         api.keyring = Keyring(env_key=api_key)

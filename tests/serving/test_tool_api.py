@@ -255,3 +255,21 @@ def test_stream_helper_accumulates_calls():
         assert (call.type, call.function.name, call.function.arguments) == ("function", "Weather", '{"city": "Paris"}')
     assert final.choices[0].message.tool_calls[0].function.parsed_arguments == Weather(city="Paris")
     assert kinds.count("tool_calls.function.arguments.done") == 1 and "content.delta" not in kinds
+
+
+def test_a_constraint_the_engine_rejects_names_tools():
+    """The engine compiles the tools' schemas; what it cannot compile is a 400 on `tools` (on
+    `structured` only outside tool calling)."""
+    from tests.serving.test_api_unit import in_replica
+
+    def script(request, attempt):
+        return FakeResponse([in_replica(ValueError("structured: invalid json_schema: unsupported pattern"))])
+
+    async def main():
+        async with app_client(FakeHandle(script)) as c:
+            return [error_of(await c.post("/v1/chat/completions", json={**CHAT, "tools": [WEATHER], **extra}), 400)
+                    for extra in ({"tool_choice": "required"}, {"tool_choice": "auto"})]
+
+    required, auto = run(main())
+    assert (required["param"], required["code"]) == ("tools", "invalid_value") and "unsupported pattern" in required["message"]
+    assert auto["param"] == "structured"
