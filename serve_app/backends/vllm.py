@@ -37,6 +37,7 @@ from serve_app.types import (
     RequestMetrics,
     RequestOutput,
     SamplingParams,
+    StructuredOutput,
     TokenLogprob,
 )
 
@@ -53,6 +54,23 @@ ABORT_WAIT_S = 5.0  # abort() waits at most this long for the engine core's next
 SHUTDOWN_TIMEOUT_S = 15.0
 # vLLM reports usage statistics over the network by default; a replica must not
 NO_USAGE_STATS = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+
+
+def vllm_structured_outputs(spec: StructuredOutput | None) -> Any:
+    """vLLM's `StructuredOutputsParams` for a constraint: the same one the native engine applies
+    (JSON without free whitespace, as the native engine's xgrammar grammars)."""
+    if spec is None:
+        return None
+    from vllm.sampling_params import StructuredOutputsParams
+
+    kind = spec.kind
+    if kind == "json_schema":
+        return StructuredOutputsParams(json=spec.json_schema, disable_any_whitespace=True)
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True, disable_any_whitespace=True)
+    if kind == "choice":
+        return StructuredOutputsParams(choice=list(spec.choice))
+    return StructuredOutputsParams(**{kind: getattr(spec, kind)})
 
 
 def token_logprobs(token_ids: Sequence[int], logprobs: Any, num_top: int | None) -> tuple[TokenLogprob, ...] | None:
@@ -155,6 +173,8 @@ class VLLMBackend(Backend):
             min_tokens=params.min_tokens,
             logprobs=params.logprobs,
             output_kind=RequestOutputKind.DELTA,
+            structured_outputs=vllm_structured_outputs(params.structured),
+            logit_bias=dict(params.logit_bias) or None,
         )
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
