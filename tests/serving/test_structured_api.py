@@ -11,7 +11,14 @@ import httpx
 import jsonschema
 import pytest
 
-from tests.serving.conftest import MODEL_DIR, MODEL_NAME, app_args, assert_error_body, openai_client, serve_app
+from tests.serving.conftest import (
+    MODEL_DIR,
+    MODEL_NAME,
+    app_args,
+    assert_error_body,
+    openai_client,
+    serve_app,
+)
 
 ITEM = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 20},
