@@ -179,12 +179,16 @@ def test_a_constraint_changes_nothing_but_its_own_request(model_dir, tokenizer):
     llm = LLM(model_dir, dtype="bfloat16", kv_cache_memory_gib=0.05, speculative={"method": "ngram", "k": 3}, stat_loggers=[steps])
     cons, neigh = constrained(tokenizer), neighbours(tokenizer)
     alone = [tokens(llm, [r], speculative=False)[0] for r in cons]
+    # three distinct specs compiled once each (the two seeded requests share theirs); masks timed per step
+    assert sum(len(s.grammar_compile_s) for s in steps.steps) == 3
+    assert all(s.grammar_mask_s is not None and s.grammar_mask_s > 0 for s in steps.steps if s.num_decode_tokens)
     llm.reset_prefix_cache()
     neigh_alone = tokens(llm, neigh)
     llm.reset_prefix_cache()
     steps.steps.clear()
     mixed = tokens(llm, cons + neigh)
     assert mixed == alone + neigh_alone
+    assert not any(s.grammar_compile_s for s in steps.steps)  # cached
     assert sum(s.spec_num_accepted for s in steps.steps) > 0  # speculation verified (and kept) tokens
     steps.steps.clear()
     again = tokens(llm, neigh + cons)  # the prompts' blocks are cached now
