@@ -14,7 +14,7 @@ dashboards do not care which one serves:
   (`aclose()`, task cancellation) aborts the request in the engine core, which frees its KV blocks. `abort(request_id)` ends a running stream with an `abort` finish.
 - An output constraint (`SamplingParams.structured`: structured outputs, tool calling's required and
   named modes) goes to vLLM as its `structured_outputs`, as the same grammar the native engine
-  enforces (`structured_outputs()`); vLLM compiles and enforces it itself.
+  enforces (`vllm_structured_outputs()`); vLLM compiles and enforces it itself.
 - Routing stats and our metric names come from vLLM's stat-logger hook (`backends/vllm_stats.py`);
   aborted requests, which vLLM leaves out of its stats, are recorded here.
 - `check_health` raises `BackendDeadError` once vLLM's engine core has died;
@@ -75,11 +75,13 @@ def token_logprobs(token_ids: Sequence[int], logprobs: Any, num_top: int | None)
     return tuple(out)
 
 
-def structured_outputs(structured: StructuredOutput | None) -> Any:
+def vllm_structured_outputs(structured: StructuredOutput | None) -> Any:
     """Our output constraint as vLLM's `StructuredOutputsParams` (None: unconstrained), enforcing the
     grammar the native engine enforces (`engine/grammar.py`): JSON schemas and JSON objects go as
-    xgrammar's own EBNF for the schema compiled without free whitespace, choices as the native choice
-    grammar, so greedy output is the same on both backends (vLLM's `json` would allow any whitespace)."""
+    xgrammar's own EBNF for the schema without free whitespace, choices as the native choice grammar,
+    so greedy output is the same on both backends. (vLLM's `json` would allow any whitespace: its
+    xgrammar backend reads `disable_any_whitespace` from the engine's config only, never from a request's
+    `StructuredOutputsParams`.)"""
     if structured is None:
         return None
     import xgrammar as xgr
@@ -183,7 +185,8 @@ class VLLMBackend(Backend):
             min_tokens=params.min_tokens,
             logprobs=params.logprobs,
             output_kind=RequestOutputKind.DELTA,
-            structured_outputs=structured_outputs(params.structured),
+            structured_outputs=vllm_structured_outputs(params.structured),
+            logit_bias=dict(params.logit_bias) or None,
         )
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:

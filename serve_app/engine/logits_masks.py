@@ -5,13 +5,18 @@ no work, and an unconstrained row's logits are never written (batch invariance: 
 constraint changes nothing of a row's own). A constrained row's mask depends on its own matcher only.
 
 The bitmask of a step's constrained rows is filled by one worker thread while the forward pass runs
-(`MaskFiller.start` before it, `StepMasks.apply` after it): xgrammar's mask fill is C++ that
-releases the GIL, so the two overlap (docs/structured-outputs.md has the measurement).
+(`MaskFiller.start` before it, `StepMasks.apply` after it) when that thread has a core of its own:
+xgrammar's mask fill is C++ that releases the GIL, so the two overlap on a GPU or when the CPU
+forward leaves a core free. When the forward's threads use every core, a third busy thread stalls
+their parallel regions (each waits at a barrier for the thread that lost its core): measured on 2
+cores with 2 torch threads, overlapping made constrained steps 2x slower than filling after the
+forward (docs/structured-outputs.md), so there the fill runs in the engine thread after the forward.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -48,10 +53,14 @@ class StepMasks:
 
 
 class MaskFiller:
-    """Starts each step's bitmask fill (`overlap` False: fills in the caller's thread, for measuring)."""
+    """Starts each step's bitmask fill: in a worker thread (`overlap`), else at once in the caller's thread."""
 
-    def __init__(self, vocab_size: int, overlap: bool = True) -> None:
+    def __init__(self, vocab_size: int, device: torch.device, overlap: bool | None = None) -> None:
+        """`overlap` None: fill during the forward on a GPU, or on a CPU with a core the forward's
+        threads leave free; else after it."""
         self.words = (vocab_size + 31) // 32
+        if overlap is None:
+            overlap = device.type != "cpu" or (os.cpu_count() or 1) > torch.get_num_threads()
         self.overlap = overlap
         self._executor: ThreadPoolExecutor | None = None
 

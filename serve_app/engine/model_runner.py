@@ -116,7 +116,7 @@ class ModelRunner:
         self.kv_cache_bytes = per_block * self.num_blocks
         self.generator = torch.Generator(device=self.device).manual_seed(model_config.seed)
         self.input_batch = InputBatch(self.block_size, self.device)
-        self.masks = MaskFiller(self.args.vocab_size)  # structured outputs' bitmasks, filled during the forward
+        self.masks = MaskFiller(self.args.vocab_size, self.device)  # structured outputs' bitmasks, filled during the forward
         self.varlen = None
         self.decode_graphs = None
         self.decode_kernel = self.prefill_kernel = self.argmax = None

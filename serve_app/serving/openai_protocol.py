@@ -3,16 +3,17 @@
 Requests are pydantic models: a missing or mistyped field is a 400 naming the field (see
 `errors.py`). Each request turns itself into engine `SamplingParams` with `sampling_params()`, whose
 own validation names the offending field too. Parameters this server does not implement (legacy
-`functions` / `function_call`, JSON mode, `logit_bias`, `echo`, `best_of` != n, `suffix`) are
-rejected with a 400 that names them instead of being silently ignored; unknown parameters (also inside
-a message) are rejected like OpenAI does. Tool calling (`tools`, `tool_choice`, `parallel_tool_calls`,
-`tool` messages, earlier assistant `tool_calls`): shapes here, meaning in `tools.py` and
-`tool_prompt.py`. Sampling fields a request leaves out take the checkpoint's generation_config.json
+`functions` / `function_call`, `best_of` != n, `suffix`, `echo` with `logprobs`) are rejected with a
+400 that names them instead of being silently ignored; unknown parameters (also inside a message) are
+rejected like OpenAI does. Tool calling (`tools`, `tool_choice`, `parallel_tool_calls`, `tool`
+messages, earlier assistant `tool_calls`): shapes here, meaning in `tools.py` and `tool_prompt.py`.
+Sampling fields a request leaves out take the checkpoint's generation_config.json
 defaults (`GenerationDefaults`), then OpenAI's.
 
 Extensions beyond OpenAI's API (vLLM's names): `top_k` (0 or -1: off), `repetition_penalty`,
-`min_tokens`, `stop_token_ids`, `ignore_eos` (benchmarks) and `speculative` (false: opt this request
-out of the engine's speculative decoding). docs/openai-api.md lists them all.
+`min_tokens`, `stop_token_ids`, `ignore_eos` (benchmarks), `speculative` (false: opt this request
+out of the engine's speculative decoding) and `structured_outputs` (constrained output:
+serving/structured_request.py). docs/openai-api.md lists them all.
 """
 
 from __future__ import annotations
@@ -43,8 +44,13 @@ from serve_app.request_limits import (
     wrap_int64,
 )
 from serve_app.serving.cache_salt import MAX_REQUEST_SALT_CHARS
+from serve_app.serving.structured_request import (
+    from_response_format,
+    from_structured_outputs,
+    logit_bias_pairs,
+)
 from serve_app.serving.tools import ToolRequest, tool_request
-from serve_app.types import SamplingParams
+from serve_app.types import SamplingParams, StructuredOutput
 
 # bounded strings and lists: pydantic rejects them before anything else looks at the request, with a
 # 400 naming the field and the bound ("user: String should have at most 256 characters")
@@ -105,7 +111,8 @@ class _SamplingFields(_Request):
     repetition_penalty: float | None = None  # extension
     min_tokens: int = 0  # extension
     stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)  # extension
-    logit_bias: dict[str, float] | None = None  # rejected unless empty (unsupported)
+    logit_bias: dict[str, float] | None = None  # token-id strings → bias in [-100, 100]
+    structured_outputs: dict[str, Any] | None = None  # vLLM's extension (serving/structured_request.py)
     user: str | None = Field(default=None, max_length=MAX_USER_CHARS)
     cache_salt: str | None = None  # vLLM's: a prefix-cache namespace (serving.cache_salt)
     ignore_eos: bool = False  # extension
@@ -130,10 +137,16 @@ class _SamplingFields(_Request):
             raise ValueError("stream_options: only allowed when stream is true")
         if self.temperature is not None and self.temperature > MAX_TEMPERATURE:
             raise ValueError(f"temperature: must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature!r}")
-        if self.logit_bias:
-            raise UnsupportedParameterError("logit_bias", "is not supported by this server")
         if self.cache_salt is not None and not 1 <= len(self.cache_salt) <= MAX_REQUEST_SALT_CHARS:
             raise ValueError(f"cache_salt: must be a non-empty string of at most {MAX_REQUEST_SALT_CHARS} characters")
+
+    def structured(self) -> StructuredOutput | None:
+        """The request's output constraint (ValueError naming the field when malformed)."""
+        return None if self.structured_outputs is None else from_structured_outputs(self.structured_outputs)
+
+    def param_aliases(self) -> dict[str, str]:
+        """Engine field names → this request's API field names (for the 400's `param`)."""
+        return {"structured": "structured_outputs"}
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None, choice_index: int,
                          defaults: GenerationDefaults | None) -> SamplingParams:
@@ -158,6 +171,8 @@ class _SamplingFields(_Request):
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             speculative=self.speculative,
+            structured=self.structured(),
+            logit_bias=logit_bias_pairs(self.logit_bias),
         )
 
 
@@ -187,8 +202,9 @@ class CompletionRequest(_SamplingFields):
 
     def validate_supported(self, max_n: int) -> None:
         self._check_common(max_n)
-        if self.echo:
-            raise UnsupportedParameterError("echo", "is not supported by this server")
+        if self.echo and self.logprobs is not None:
+            raise UnsupportedParameterError("echo", "echo with logprobs (the prompt's logprobs) is not supported by this "
+                                                    "server: leave out one of them")
         if self.best_of is not None and self.best_of != self.n:
             raise UnsupportedParameterError("best_of", "is not supported by this server (leave it out or equal to n)")
         if self.suffix:
@@ -318,8 +334,20 @@ class ChatCompletionRequest(_SamplingFields):
             raise UnsupportedParameterError("functions" if self.functions is not None else "function_call",
                                             "the legacy function-calling parameters are not supported by this server; "
                                             "use tools and tool_choice")
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            raise UnsupportedParameterError("response_format", "only {'type': 'text'} is supported by this server")
+        if self.response_format is not None and self.structured_outputs is not None:
+            raise ValueError("response_format: give either response_format or structured_outputs, not both")
+
+    def structured(self) -> StructuredOutput | None:
+        if self.response_format is not None:
+            return from_response_format(self.response_format)
+        return super().structured()
+
+    def param_aliases(self) -> dict[str, str]:
+        """Engine field names → this request's API field names (for the 400's `param`): under tool_choice
+        "required" or a named function the output constraint is made of the tools' schemas."""
+        constrained = bool(self.tools) and self.tool_choice not in (None, "none", "auto")
+        structured = "tools" if constrained else "response_format" if self.response_format is not None else "structured_outputs"
+        return {"prompt": "messages", "structured": structured}
 
     def sampling_params(self, choice_index: int = 0, defaults: GenerationDefaults | None = None) -> SamplingParams:
         limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -91,7 +91,8 @@ class ToolRequest:
         """`params` with this mode's constraint (required / named) or stop string (auto, one call)."""
         if self.constrained:
             if params.structured is not None:
-                raise ValueError("response_format: cannot be combined with tool_choice 'required' or a named function")
+                raise ValueError("tool_choice: 'required' and a named function constrain the output themselves; "
+                                 "leave out response_format and structured_outputs")
             schema = json.dumps(self.output_schema(), ensure_ascii=False)
             if len(schema) > MAX_GRAMMAR_CHARS:
                 raise ValueError(f"tools: tool_choice {self.mode!r} constrains the output with the tools' schemas, "

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 
 import jsonschema
 import pytest
@@ -133,3 +134,77 @@ def test_compile_failure_aborts_only_that_request(smol, tokenizer):
     assert finished["bad"].finish_reason == FinishReason.ABORT
     assert "no way" in str(finished["bad"].error) and "[18:00:00]" not in str(finished["bad"].error)
     assert finished["good"].finish_reason == FinishReason.STOP
+
+
+class Steps:
+    """Every step's stats (speculation counts, preemptions)."""
+
+    def __init__(self) -> None:
+        self.steps = []
+
+    def record(self, scheduler_stats, finished) -> None:
+        if scheduler_stats is not None:
+            self.steps.append(scheduler_stats)
+
+
+def constrained(tokenizer) -> list[tuple[list[int], SamplingParams]]:
+    """Greedy and seeded constrained requests (two with consecutive seeds: what the API sends for n=2)."""
+    person, scores, phone = CASES[0], CASES[1], CASES[3]
+    return [(chat(tokenizer, person[1]), params(person[0])),
+            (chat(tokenizer, scores[1]), params(scores[0], seed=7)),
+            (chat(tokenizer, scores[1]), params(scores[0], seed=8)),
+            (chat(tokenizer, phone[1]), params(phone[0], seed=2))]
+
+
+def neighbours(tokenizer) -> list[tuple[list[int], SamplingParams]]:
+    """Unconstrained requests: greedy, seeded, and one with a logit_bias."""
+    return [(chat(tokenizer, "Write a haiku about the sea."), SamplingParams(temperature=0.0, max_tokens=40)),
+            (chat(tokenizer, "List three prime numbers."), SamplingParams(temperature=0.9, seed=1, max_tokens=40)),
+            (chat(tokenizer, "Say hello."), SamplingParams(temperature=0.0, max_tokens=8, logit_bias=((28, 5.0), (30, -3.0))))]
+
+
+def tokens(llm: LLM, requests, speculative: bool = True) -> list[list[int]]:
+    outs = llm.generate([p for p, _ in requests], [sp if speculative else replace(sp, speculative=False) for _, sp in requests])
+    for out, (_, sp) in zip(outs, requests, strict=True):
+        if sp.structured is not None:
+            assert out.finish_reason == FinishReason.STOP
+    return [list(o.token_ids) for o in outs]
+
+
+def test_a_constraint_changes_nothing_but_its_own_request(model_dir, tokenizer):
+    """Each constrained request alone without speculation == beside unconstrained neighbours with
+    n-gram speculation == again from the prefix cache; the neighbours' tokens are those they get
+    without constrained company."""
+    steps = Steps()
+    llm = LLM(model_dir, dtype="bfloat16", kv_cache_memory_gib=0.05, speculative={"method": "ngram", "k": 3}, stat_loggers=[steps])
+    cons, neigh = constrained(tokenizer), neighbours(tokenizer)
+    alone = [tokens(llm, [r], speculative=False)[0] for r in cons]
+    # three distinct specs compiled once each (the two seeded requests share theirs); masks timed per step
+    assert sum(len(s.grammar_compile_s) for s in steps.steps) == 3
+    assert all(s.grammar_mask_s is not None and s.grammar_mask_s > 0 for s in steps.steps if s.num_decode_tokens)
+    llm.reset_prefix_cache()
+    neigh_alone = tokens(llm, neigh)
+    llm.reset_prefix_cache()
+    steps.steps.clear()
+    mixed = tokens(llm, cons + neigh)
+    assert mixed == alone + neigh_alone
+    assert not any(s.grammar_compile_s for s in steps.steps)  # cached
+    assert sum(s.spec_num_accepted for s in steps.steps) > 0  # speculation verified (and kept) tokens
+    steps.steps.clear()
+    again = tokens(llm, neigh + cons)  # the prompts' blocks are cached now
+    assert again == neigh_alone + alone
+    assert sum(s.prefix_cache_hits for s in steps.steps) > 0
+    bm = llm.engine.core.block_manager
+    bm.check_integrity()
+    assert bm.num_used_blocks == 0
+
+
+def test_preempted_constrained_requests_resume_where_they_were(model_dir, tokenizer, smol):
+    cons = constrained(tokenizer)
+    reference = [tokens(smol, [r], speculative=False)[0] for r in cons]
+    # 7 blocks of 16 tokens hold one request's 64 + prompt tokens, not all four: the newest is preempted
+    small = LLM(model_dir, dtype="bfloat16", num_blocks=7, block_size=16, speculative={"method": "ngram", "k": 3})
+    outs = small.generate([p for p, _ in cons], [replace(sp, max_tokens=64) for _, sp in cons])
+    assert sum(o.metrics.num_preemptions for o in outs) > 0
+    assert [list(o.token_ids) for o in outs] == reference
+    small.engine.core.block_manager.check_integrity()
