@@ -258,8 +258,8 @@ def test_stream_helper_accumulates_calls():
 
 
 def test_a_constraint_the_engine_rejects_names_tools():
-    """The engine compiles the tools' schemas; what it cannot compile is a 400 on `tools` (on
-    `structured` only outside tool calling)."""
+    """The engine compiles the tools' schemas; what it cannot compile is a 400 on `tools` (outside a
+    constrained tool choice the engine's `structured` keeps its API name)."""
     from tests.serving.test_api_unit import in_replica
 
     def script(request, attempt):
@@ -272,4 +272,4 @@ def test_a_constraint_the_engine_rejects_names_tools():
 
     required, auto = run(main())
     assert (required["param"], required["code"]) == ("tools", "invalid_value") and "unsupported pattern" in required["message"]
-    assert auto["param"] == "structured"
+    assert auto["param"] == "structured_outputs"  # the engine field under its API name, as without tools
