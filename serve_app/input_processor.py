@@ -21,19 +21,22 @@ tokenized: no token is longer than the vocabulary's longest entry (`max_token_ch
 more than `max_model_len * max_token_chars` characters has more tokens than the context holds.
 
 Model-dependent bounds of `SamplingParams` live here, so both backends get them: `stop_token_ids`
-below the vocabulary size; `top_k` at or above it keeps every token and becomes 0 (disabled).
+and `logit_bias` token ids below the vocabulary size; a structured-output spec that parses
+(the engines' `check_structured`, about a millisecond; compiling it is the engine's); `top_k` at or above it keeps every token and becomes 0 (disabled).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
+import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from serve_app.generation_config import GenerationDefaults
-from serve_app.types import GenerateRequest, SamplingParams
+from serve_app.types import GenerateRequest, SamplingParams, StructuredOutput
 
 
 def load_tokenizer(model_dir: str, tokenizer_class: str | None = None) -> Any | None:
@@ -77,8 +80,13 @@ class ProcessedRequest:
 
 
 class InputProcessor:
-    def __init__(self, model_dir: str, vocab_size: int, max_model_len: int, tokenizer_class: str | None = None) -> None:
-        """`tokenizer_class`: see `load_tokenizer` (None: resolved by `AutoTokenizer`)."""
+    def __init__(self, model_dir: str, vocab_size: int, max_model_len: int, tokenizer_class: str | None = None,
+                 check_structured: Callable[[StructuredOutput], None] | None = None) -> None:
+        """`tokenizer_class`: see `load_tokenizer` (None: resolved by `AutoTokenizer`).
+        `check_structured`: raises ValueError for a structured-output spec the grammar library cannot
+        parse (`engine.grammar.check_structured`; it imports torch, so the engines pass it and the
+        ingress does not: there an unparsable spec is the engine's 400)."""
+        self.check_structured = check_structured
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.generation_defaults = GenerationDefaults.from_model_dir(model_dir)
@@ -115,8 +123,10 @@ class InputProcessor:
         """The fast (Rust) tokenizer used for incremental detokenization, or None without one."""
         return None if self.hf_tokenizer is None else self.hf_tokenizer.backend_tokenizer
 
-    def apply_chat_template(self, messages: list[dict[str, Any]] | tuple[dict[str, Any], ...], **template_kwargs: Any) -> list[int]:
-        """The chat's prompt ids (generation prompt added); `template_kwargs` go to the template."""
+    def apply_chat_template(self, messages: list[dict[str, Any]] | tuple[dict[str, Any], ...],
+                            tools: tuple[dict[str, Any], ...] | None = None) -> list[int]:
+        """The chat's prompt ids (generation prompt added); `tools`: OpenAI tool definitions, handed
+        to a template that renders them."""
         if self.hf_tokenizer is None or not getattr(self.hf_tokenizer, "chat_template", None):
             raise ValueError("messages: this model has no chat template")
         if not messages:
@@ -124,9 +134,10 @@ class InputProcessor:
         for m in messages:
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise ValueError("messages: each message needs a string 'role' and a string 'content'")
-        self.check_text_fits("messages", sum(len(m["content"]) + len(m.get("name") or "") for m in messages))
-        rendered = self.hf_tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True,
-                                                         return_dict=True, **template_kwargs)
+        self.check_text_fits("messages", sum(len(m["content"]) + len(m.get("name") or "") for m in messages)
+                             + (len(json.dumps(tools)) if tools else 0))
+        rendered = self.hf_tokenizer.apply_chat_template(list(messages), tools=list(tools) if tools else None,
+                                                         add_generation_prompt=True, tokenize=True, return_dict=True)
         return list(rendered["input_ids"])
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -144,7 +155,7 @@ class InputProcessor:
         if request.prompt_token_ids is not None:  # tokenized by the ingress
             token_ids = self.tokenize(list(request.prompt_token_ids))
         elif request.messages is not None:
-            token_ids = self.apply_chat_template(request.messages)
+            token_ids = self.apply_chat_template(request.messages, request.tools)
         else:
             token_ids = self.tokenize(request.prompt)
         if not token_ids:
@@ -165,6 +176,11 @@ class InputProcessor:
             )
         if any(t >= self.vocab_size for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids: token ids must be integers in [0, {self.vocab_size})")
+        bad = [t for t, _ in params.logit_bias if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        if params.structured is not None and self.check_structured is not None:
+            self.check_structured(params.structured)  # a bad schema / regex / grammar: the library's message
         if params.top_k >= self.vocab_size:  # keeps every token: the same as off, and no huge integer reaches a tensor
             params = dataclasses.replace(params, top_k=0)
         return ProcessedRequest(

@@ -31,6 +31,18 @@ MAX_CONTENT_PARTS = 64
 MAX_MESSAGE_NAME_CHARS = 256
 MAX_METADATA_ENTRIES = 16
 MAX_METADATA_CHARS = 512  # each metadata key and value
+MAX_TOOLS = 128  # OpenAI's limit on `tools`
+MAX_TOOL_NAME_CHARS = 64  # OpenAI's: a function name matches ^[a-zA-Z0-9_-]{1,64}$
+MAX_TOOL_DESCRIPTION_CHARS = 4096
+MAX_TOOL_SCHEMA_CHARS = 32768  # one function's `parameters`, as compact JSON
+MAX_TOOL_SCHEMA_DEPTH = 16  # nesting of objects and arrays in one `parameters` schema
+MAX_TOOL_CALLS_PER_MESSAGE = 128  # `tool_calls` of one earlier assistant message
+MAX_TOOL_CALL_ID_CHARS = 256
+MAX_LOGIT_BIAS = 300  # logit_bias entries (OpenAI's limit)
+MAX_LOGIT_BIAS_VALUE = 100.0  # each bias in [-100, 100] (OpenAI's range)
+MAX_GRAMMAR_CHARS = 65536  # a JSON schema, regex or grammar's text (compiling one is work on the replica)
+MAX_CHOICES = 256  # structured outputs `choice`: alternatives
+MAX_CHOICE_CHARS = 1024  # each alternative
 
 
 def wrap_int64(value: int) -> int:

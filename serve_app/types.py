@@ -14,6 +14,11 @@ from dataclasses import dataclass, field
 from serve_app.request_limits import (
     INT64_MAX,
     INT64_MIN,
+    MAX_CHOICE_CHARS,
+    MAX_CHOICES,
+    MAX_GRAMMAR_CHARS,
+    MAX_LOGIT_BIAS,
+    MAX_LOGIT_BIAS_VALUE,
     MAX_LOGPROBS,
     MAX_PENALTY,
     MAX_REPETITION_PENALTY,
@@ -24,7 +29,7 @@ from serve_app.request_limits import (
 )
 
 __all__ = ["MAX_LOGPROBS", "FinishReason", "GenerateRequest", "RequestFailedError", "RequestMetrics", "RequestOutput",
-           "SamplingParams", "TokenLogprob"]
+           "SamplingParams", "StructuredOutput", "TokenLogprob"]
 
 
 class FinishReason(enum.StrEnum):
@@ -34,6 +39,55 @@ class FinishReason(enum.StrEnum):
 
     def __str__(self) -> str:
         return self.value
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """Exactly one constraint kind is set.
+
+    The output is constrained to: a JSON value matching `json_schema` (JSON text), any JSON object
+    (`json_object`), a match of `regex`, one of the strings in `choice`, or a string of the EBNF
+    `grammar` (xgrammar's GBNF-style syntax, root rule `root`). Sizes are bounded here; whether the
+    spec compiles is checked by the engine's `InputProcessor` (a `ValueError` naming `structured`).
+    """
+
+    json_schema: str | None = None  # a JSON schema as JSON text
+    json_object: bool = False  # any JSON object
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None  # EBNF (xgrammar's / GBNF syntax)
+
+    def __post_init__(self) -> None:
+        if self.choice is not None:
+            object.__setattr__(self, "choice", tuple(self.choice))
+        kinds = [k for k in ("json_schema", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        if self.json_object is not False:
+            if self.json_object is not True:
+                raise ValueError("structured: json_object must be a boolean")
+            kinds.append("json_object")
+        if len(kinds) != 1:
+            raise ValueError(f"structured: set exactly one of json_schema, json_object, regex, choice, grammar (got {kinds or 'none'})")
+        for name in ("json_schema", "regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value or len(value) > MAX_GRAMMAR_CHARS):
+                raise ValueError(f"structured: {name} must be a non-empty string of at most {MAX_GRAMMAR_CHARS} characters")
+        if self.choice is not None:
+            if not 1 <= len(self.choice) <= MAX_CHOICES:
+                raise ValueError(f"structured: choice must list 1 to {MAX_CHOICES} strings, got {len(self.choice)}")
+            if any(not isinstance(c, str) or not c or len(c) > MAX_CHOICE_CHARS for c in self.choice):
+                raise ValueError(f"structured: every choice must be a non-empty string of at most {MAX_CHOICE_CHARS} characters")
+
+    @property
+    def kind(self) -> str:
+        """The constraint's kind: "json_schema", "json_object", "regex", "choice" or "grammar"."""
+        return "json_object" if self.json_object else next(k for k in ("json_schema", "regex", "choice", "grammar")
+                                                           if getattr(self, k) is not None)
+
+    @property
+    def key(self) -> tuple[str, str | tuple[str, ...]]:
+        """(kind, spec): what a compiled grammar is cached by."""
+        kind = self.kind
+        return kind, "" if kind == "json_object" else getattr(self, kind)
 
 
 @dataclass(frozen=True)
@@ -51,6 +105,10 @@ class SamplingParams:
     (of the model's raw distribution, before temperature, penalties and top-k/top-p).
     `speculative` False opts this request out of the engine's speculative decoding (its output is
     the same either way; speculation only changes how fast it comes).
+    `structured`: constrain the output to a JSON schema, regex, choice or grammar (docs/structured-outputs.md);
+    the returned logprobs are then those of the masked distribution (forbidden tokens at -inf), as vLLM's.
+    `logit_bias`: (token id, bias) pairs added to those tokens' logits before sampling (bias in
+    [-100, 100]; ids below the vocabulary size, checked by the engine's `InputProcessor`).
     """
 
     max_tokens: int | None = 16
@@ -68,6 +126,8 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None
     speculative: bool = True
+    structured: StructuredOutput | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -104,6 +164,28 @@ class SamplingParams:
             raise ValueError(f"min_tokens: {self.min_tokens} exceeds max_tokens {self.max_tokens}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs: must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise ValueError("structured: must be a StructuredOutput")
+        if self.structured is not None and self.min_tokens:
+            # the grammar may allow only EOS where min_tokens forbids it: nothing would be left to sample
+            raise ValueError("min_tokens: cannot be combined with structured outputs")
+        self._check_logit_bias()
+
+    def _check_logit_bias(self) -> None:
+        if isinstance(self.logit_bias, dict):
+            object.__setattr__(self, "logit_bias", tuple(self.logit_bias.items()))
+        bias = tuple(tuple(pair) for pair in self.logit_bias)
+        object.__setattr__(self, "logit_bias", bias)
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias: at most {MAX_LOGIT_BIAS} entries, got {len(bias)}")
+        for pair in bias:
+            if len(pair) != 2 or not _is_int(pair[0]) or pair[0] < 0:
+                raise ValueError(f"logit_bias: keys must be non-negative token ids, got {pair[0] if pair else pair!r}")
+            if not _is_finite(pair[1]) or not -MAX_LOGIT_BIAS_VALUE <= pair[1] <= MAX_LOGIT_BIAS_VALUE:
+                raise ValueError(f"logit_bias: the bias of token {pair[0]} must be in [-{MAX_LOGIT_BIAS_VALUE:g}, "
+                                 f"{MAX_LOGIT_BIAS_VALUE:g}], got {pair[1]!r}")
+        if len({t for t, _ in bias}) != len(bias):
+            raise ValueError("logit_bias: token ids must be distinct")
 
     @property
     def greedy(self) -> bool:
@@ -152,7 +234,9 @@ class GenerateRequest:
     the engine looks up): the engine uses them and does not tokenize again; `prompt`/`messages` then
     only describe the request (logs, routers that read text). `cache_salt` keeps the request's
     cached prefix apart from those of other salts (tenants). `user` (OpenAI's end-user id) is a
-    routing tie-break: a session's requests prefer the replica that served it.
+    routing tie-break: a session's requests prefer the replica that served it. `tools` (with
+    `messages` only): OpenAI tool definitions for a chat template that renders them
+    (`serving/tool_prompt.py`).
     """
 
     request_id: str
@@ -163,10 +247,13 @@ class GenerateRequest:
     prompt_token_ids: tuple[int, ...] | None = None
     cache_salt: str | None = None
     user: str | None = None
+    tools: tuple[dict, ...] | None = None
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("prompt: give exactly one of prompt and messages")
+        if self.tools is not None and self.messages is None:
+            raise ValueError("tools: only with messages")
 
 
 @dataclass(frozen=True)

@@ -77,6 +77,7 @@ class ModelInfo:
     # the class of the tokenizer the engine loaded ("module.ClassName"; None: none, or not known):
     # the ingress loads the same one without resolving it itself (serve_app.input_processor)
     tokenizer_class: str | None = None
+    chat_template_tools: bool = False  # the chat template renders `tools` itself (serving/tool_prompt.py)
 
 
 class BackendDeadError(RuntimeError):

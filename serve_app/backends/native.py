@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from serve_app.backends.base import Backend, BackendDeadError, ModelInfo, RoutingStats
 from serve_app.config import EngineConfig
+from serve_app.serving.tool_prompt import template_renders_tools
 from serve_app.types import GenerateRequest, RequestOutput
 
 if TYPE_CHECKING:
@@ -93,7 +94,8 @@ class NativeBackend(Backend):
     def model_info(self) -> ModelInfo:
         inputs = self.engine.engine.input_processor
         return ModelInfo(name=self.model_name, max_model_len=self.engine.max_model_len, backend="native",
-                         generation_defaults=inputs.generation_defaults, tokenizer_class=inputs.tokenizer_class)
+                         generation_defaults=inputs.generation_defaults, tokenizer_class=inputs.tokenizer_class,
+                         chat_template_tools=template_renders_tools(getattr(inputs.hf_tokenizer, "chat_template", None)))
 
     def check_health(self) -> None:
         try:

@@ -12,6 +12,9 @@ dashboards do not care which one serves:
 - `generate` streams deltas (`RequestOutputKind.DELTA`), the first an empty one as soon as vLLM has
   queued the request (so the stream's headers do not wait for the first token); leaving it early
   (`aclose()`, task cancellation) aborts the request in the engine core, which frees its KV blocks. `abort(request_id)` ends a running stream with an `abort` finish.
+- An output constraint (`SamplingParams.structured`: structured outputs, tool calling's required and
+  named modes) goes to vLLM as its `structured_outputs`, as the same grammar the native engine
+  enforces (`vllm_structured_outputs()`); vLLM compiles and enforces it itself.
 - Routing stats and our metric names come from vLLM's stat-logger hook (`backends/vllm_stats.py`);
   aborted requests, which vLLM leaves out of its stats, are recorded here.
 - `check_health` raises `BackendDeadError` once vLLM's engine core has died;
@@ -31,12 +34,14 @@ from typing import TYPE_CHECKING, Any
 from serve_app.backends.base import Backend, BackendDeadError, ModelInfo, RoutingStats
 from serve_app.backends.vllm_options import VLLMOptions
 from serve_app.backends.vllm_stats import VLLMStatsBridge, finish_reason, make_vllm_stat_logger
+from serve_app.serving.tool_prompt import template_renders_tools
 from serve_app.types import (
     FinishReason,
     GenerateRequest,
     RequestMetrics,
     RequestOutput,
     SamplingParams,
+    StructuredOutput,
     TokenLogprob,
 )
 
@@ -68,6 +73,31 @@ def token_logprobs(token_ids: Sequence[int], logprobs: Any, num_top: int | None)
         out.append(TokenLogprob(token_id, sampled.decoded_token or "", sampled.logprob,
                                 tuple((t, lp.decoded_token or "", lp.logprob) for _, t, lp in top)))
     return tuple(out)
+
+
+def vllm_structured_outputs(structured: StructuredOutput | None) -> Any:
+    """Our output constraint as vLLM's `StructuredOutputsParams` (None: unconstrained), enforcing the
+    grammar the native engine enforces (`engine/grammar.py`): JSON schemas and JSON objects go as
+    xgrammar's own EBNF for the schema without free whitespace, choices as the native choice grammar,
+    so greedy output is the same on both backends. (vLLM's `json` would allow any whitespace: its
+    xgrammar backend reads `disable_any_whitespace` from the engine's config only, never from a request's
+    `StructuredOutputsParams`.)"""
+    if structured is None:
+        return None
+    import xgrammar as xgr
+    from vllm.sampling_params import StructuredOutputsParams
+
+    from serve_app.engine.grammar import JSON_OBJECT_SCHEMA, choice_grammar
+
+    kind = structured.kind
+    if kind == "regex":
+        return StructuredOutputsParams(regex=structured.regex)
+    if kind == "choice":
+        return StructuredOutputsParams(grammar=choice_grammar(structured.choice))
+    if kind == "grammar":
+        return StructuredOutputsParams(grammar=structured.grammar)
+    schema = structured.json_schema if kind == "json_schema" else JSON_OBJECT_SCHEMA
+    return StructuredOutputsParams(grammar=str(xgr.Grammar.from_json_schema(schema, any_whitespace=False)))
 
 
 class VLLMBackend(Backend):
@@ -116,6 +146,7 @@ class VLLMBackend(Backend):
         from vllm.v1.engine.async_llm import AsyncLLM
         from vllm.v1.engine.exceptions import EngineDeadError
 
+        from serve_app.engine.grammar import check_structured
         from serve_app.input_processor import InputProcessor
 
         self._dead_errors = (BackendDeadError, EngineDeadError)
@@ -132,7 +163,8 @@ class VLLMBackend(Backend):
         self.stats.record_paths({"linear": "vllm", "attention": "vllm", "amx": "false", "batch_invariant": str(invariant).lower(),
                                  "self_check": "not run"})
         self._max_model_len = int(vllm_config.model_config.max_model_len)
-        self._input = InputProcessor(self.model, vllm_config.model_config.get_vocab_size(), self._max_model_len)
+        self._input = InputProcessor(self.model, vllm_config.model_config.get_vocab_size(), self._max_model_len,
+                                     check_structured=check_structured)
         logger.info(
             "vLLM engine ready in %.0f s: model %s, %s on %s, context %d tokens, %d KV blocks of %d tokens, eager %s",
             time.monotonic() - started, self.model_name, self.options.dtype, self.options.device, self._max_model_len,
@@ -160,6 +192,8 @@ class VLLMBackend(Backend):
             min_tokens=params.min_tokens,
             logprobs=params.logprobs,
             output_kind=RequestOutputKind.DELTA,
+            structured_outputs=vllm_structured_outputs(params.structured),
+            logit_bias=dict(params.logit_bias) or None,
         )
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
@@ -251,7 +285,8 @@ class VLLMBackend(Backend):
         self.engine  # noqa: B018
         assert self._input is not None
         return ModelInfo(name=self.model_name, max_model_len=self._max_model_len, backend="vllm",
-                         generation_defaults=self._input.generation_defaults, tokenizer_class=self._input.tokenizer_class)
+                         generation_defaults=self._input.generation_defaults, tokenizer_class=self._input.tokenizer_class,
+                         chat_template_tools=template_renders_tools(getattr(self._input.hf_tokenizer, "chat_template", None)))
 
     def check_health(self) -> None:
         if self.engine.errored:

@@ -16,6 +16,7 @@ from typing import Protocol
 
 from serve_app.config import EngineConfig
 from serve_app.engine.engine_core import EngineCore
+from serve_app.engine.grammar import check_structured
 from serve_app.engine.output_processor import OutputProcessor
 from serve_app.engine.outputs import EngineCoreOutput
 from serve_app.engine.request import Request
@@ -44,7 +45,8 @@ class LLMEngine:
         runner = self.core.model_runner
         runner.fault_hook = fault_hook
         self.fault_hook = fault_hook
-        self.input_processor = InputProcessor(config.model.model, runner.args.vocab_size, self.core.max_model_len)
+        self.input_processor = InputProcessor(config.model.model, runner.args.vocab_size, self.core.max_model_len,
+                                              check_structured=check_structured)
         self.output_processor = OutputProcessor(self.input_processor.tokenizer, fault_hook)
         self.stat_loggers = list(stat_loggers)
         self.last_stats: SchedulerStats | None = None
@@ -132,4 +134,4 @@ class LLMEngine:
             stat_logger.record(stats, finished)
 
     def next_wakeup_s(self) -> float | None:
-        return self.core.scheduler.next_wakeup_s()
+        return self.core.next_wakeup_s()

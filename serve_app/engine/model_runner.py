@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -24,6 +25,7 @@ from serve_app.engine.attention_backends import make_varlen_attention, resolve_b
 from serve_app.engine.execution_paths import ExecutionPaths, limit_onednn_isa, resolve_linear
 from serve_app.engine.host_memory import zeroed_cpu_tensors
 from serve_app.engine.input_batch import InputBatch
+from serve_app.engine.logits_masks import MaskFiller, apply_logit_bias
 from serve_app.engine.logprobs import sampled_logprobs
 from serve_app.engine.memory_profile import kv_cache_budget_bytes
 from serve_app.engine.models.llama import LlamaArgs
@@ -114,6 +116,7 @@ class ModelRunner:
         self.kv_cache_bytes = per_block * self.num_blocks
         self.generator = torch.Generator(device=self.device).manual_seed(model_config.seed)
         self.input_batch = InputBatch(self.block_size, self.device)
+        self.masks = MaskFiller(self.args.vocab_size, self.device)  # structured outputs' bitmasks, filled during the forward
         self.varlen = None
         self.decode_graphs = None
         self.decode_kernel = self.prefill_kernel = self.argmax = None
@@ -298,14 +301,39 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        # constrained requests' bitmasks fill in a worker thread while the forward pass runs
+        masks = self.masks.start([s for s in self._order(scheduler_output.scheduled) if s.sample])
         samplers, logits = self.sampling_logits(scheduler_output.scheduled)
         if not samplers:
             return ModelRunnerOutput((), ())
+        failed: dict[str, str] = {}
+        if masks is not None:
+            # logprobs are of the masked distribution (as vLLM's): the grammar's forbidden tokens at -inf
+            failed = masks.apply(logits)
+            if failed:
+                samplers, logits = self._without(samplers, logits, failed)
+        out = self._sample_all(samplers, logits) if samplers else ModelRunnerOutput((), ())
+        if masks is not None:
+            out = replace(out, mask_s=masks.seconds, failed=out.failed + tuple(failed.items()))
+        return out
+
+    def _sample_all(self, samplers: list[ScheduledRequest], logits: torch.Tensor) -> ModelRunnerOutput:
         try:
             return self._sample(samplers, logits)
         except Exception:  # noqa: BLE001 - find whose sampling fails: only that request is aborted
             logger.warning("batched sampling failed; sampling the step's %d requests one by one", len(samplers), exc_info=True)
             return self._sample_each(samplers, logits)
+
+    def _without(self, samplers: list[ScheduledRequest], logits: torch.Tensor, dropped: dict[str, str]):
+        """The samplers not in `dropped`, with their logits rows."""
+        keep, rows, at = [], [], 0
+        for s in samplers:
+            n = 1 + len(s.spec_token_ids)
+            if s.request_id not in dropped:
+                keep.append(s)
+                rows.extend(range(at, at + n))
+            at += n
+        return keep, logits[self._tensor(rows)]
 
     def _sample_each(self, samplers: list[ScheduledRequest], logits: torch.Tensor) -> ModelRunnerOutput:
         """`_sample` one request at a time; the requests whose sampling raises are reported in `failed`."""
@@ -344,6 +372,7 @@ class ModelRunner:
         keys = [key for s in samplers for key in (s.generator_key, *s.spec_generator_keys)]
         processed = process_logits(logits, params, per_row([s.prompt_token_ids for s in samplers]),
                                    per_row([s.output_token_ids for s in samplers]), per_row([s.blocked_token_ids for s in samplers]))
+        processed = apply_logit_bias(processed, params)
         token_ids = sample(processed, params, keys, self.generator, self.argmax)
         row_logprobs = ()
         if any(p.logprobs is not None for p in params):

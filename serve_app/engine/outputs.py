@@ -43,6 +43,9 @@ class ScheduledRequest:
     spec_generator_keys: tuple[int | None, ...] = ()
     spec_draft_probs: Any = None  # [len(spec_token_ids), V] tensor, or None
     spec_accept_keys: tuple[int | None, ...] = ()  # with draft probs: each proposal's acceptance-draw key
+    # structured outputs: the request's `GrammarState` on sampling chunks (the runner fills its bitmask
+    # rows from it while the forward pass runs; only the scheduler advances it)
+    grammar: Any = None
 
     @property
     def num_tokens(self) -> int:
@@ -78,6 +81,7 @@ class ModelRunnerOutput:
     extra_token_ids: tuple[tuple[int, ...], ...] = ()
     # requests whose sampling raised (not in `request_ids`): (request id, what went wrong); the core aborts them
     failed: tuple[tuple[str, str], ...] = ()
+    mask_s: float | None = None  # grammar bitmask fill + apply time of the step (None: no constrained row)
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from serve_app.block_hash import BlockHash
 from serve_app.input_processor import ProcessedRequest
@@ -42,6 +43,9 @@ class Request:
     block_hashes: list[BlockHash] = field(default_factory=list)
     # root of the hash chain: requests with different salts (tenants) never share cached blocks
     cache_salt: bytes | None = None
+    # structured outputs: the request's `GrammarState` (engine/grammar_state.py); it is not scheduled
+    # before the grammar has compiled
+    grammar: Any = None
 
     def __post_init__(self) -> None:
         self.eos_token_ids = frozenset(self.eos_token_ids or ())

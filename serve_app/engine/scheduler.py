@@ -169,6 +169,9 @@ class Scheduler:
                 request = self.waiting[0]
                 if self.config.batching != "continuous" and request.request_id not in self._batch_ids:
                     break
+                if request.grammar is not None and not request.grammar.ready:  # still compiling: not in the batch
+                    deferred.append(self.waiting.popleft())
+                    continue
                 cached = self.block_manager.find_cached_prefix(request)
                 if computing and self.block_manager.next_uncached_hash(request, len(cached)) in computing:
                     deferred.append(self.waiting.popleft())
@@ -279,6 +282,7 @@ class Scheduler:
             spec_generator_keys=tuple(keys[1:]),
             spec_draft_probs=draft_probs,
             spec_accept_keys=accept_keys,
+            grammar=request.grammar if sample else None,
         )
 
     def _preempt(self, request: Request) -> None:
@@ -332,6 +336,10 @@ class Scheduler:
         """Append tokens one by one, stopping (and dropping the rest) at the first stop condition."""
         for i, token_id in enumerate(token_ids):
             request.append_output_token(token_id)
+            if request.grammar is not None and not request.grammar.accept(token_id):
+                # the mask allowed it, so the matcher disagrees with itself: end the request rather than
+                # let it go on unconstrained
+                return token_ids[: i + 1], FinishReason.ABORT, None
             reason, stop_token = self._check_stop(request, token_id)
             if reason is not None:
                 return token_ids[: i + 1], reason, stop_token
@@ -340,6 +348,8 @@ class Scheduler:
     def _check_stop(self, request: Request, token_id: int) -> tuple[FinishReason | None, int | None]:
         params = request.sampling_params
         if token_id in request.eos_token_ids and not params.ignore_eos:
+            return FinishReason.STOP, None
+        if request.grammar is not None and request.grammar.terminated:  # its grammar ended (on EOS, even with ignore_eos)
             return FinishReason.STOP, None
         if token_id in params.stop_token_ids:
             return FinishReason.STOP, token_id

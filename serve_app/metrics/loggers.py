@@ -64,6 +64,8 @@ class MetricsStatLogger:
         self._success = m[names.REQUEST_SUCCESS.name]
         spec = (names.SPEC_DECODE_REQUESTS, names.SPEC_VERIFIED_REQUESTS, names.SPEC_PROPOSED_TOKENS, names.SPEC_ACCEPTED_TOKENS)
         self._spec = [m[n.name] for n in spec]  # in SchedulerStats.spec_* order
+        self._grammar_compile = m[names.GRAMMAR_COMPILE_TIME.name]
+        self._grammar_mask = m[names.GRAMMAR_MASK_TIME.name]
         self._success_labels = {r: {names.FINISH_REASON_LABEL: r} for r in _FINISH_REASONS}
         # counters exist (at 0) from the start: rate() reads 0, not "no data", before the first event
         for counter in (self._preemptions, self._prompt_tokens, self._generation_tokens,
@@ -110,6 +112,10 @@ class MetricsStatLogger:
         self._prefix_hits.inc(s.prefix_cache_hits)
         for counter, value in zip(self._spec, (s.spec_num_candidates, s.spec_num_seqs, s.spec_num_proposed, s.spec_num_accepted), strict=True):
             counter.inc(value)
+        if s.grammar_mask_s is not None:
+            self._grammar_mask.observe(s.grammar_mask_s)
+        for seconds in s.grammar_compile_s:
+            self._grammar_compile.observe(seconds)
 
     def _record_finished(self, reason: FinishReason, m: RequestMetrics) -> None:
         reason_s = str(reason)

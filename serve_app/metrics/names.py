@@ -141,6 +141,18 @@ SPEC_DECODE_REQUESTS = MetricSpec(
     "Request-steps that could have been verified (decoding, speculation on, not opted out); "
     "mean chosen k = proposed / this.")
 
+# structured outputs (the native engine's grammars)
+GRAMMAR_COMPILE_TIME = MetricSpec(
+    "llm_grammar_compile_seconds", "histogram",
+    "Time to compile one first-seen structured-output grammar (JSON schema, regex, choice, EBNF) in the "
+    "engine's compile thread; a cached grammar is not compiled again.",
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0))
+GRAMMAR_MASK_TIME = MetricSpec(
+    "llm_grammar_mask_seconds", "histogram",
+    "Grammar bitmask work of one engine step with constrained rows: filling the bitmask (overlapped with the "
+    "forward pass) plus applying it to the logits.",
+    buckets=(0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1))
+
 ENGINE_EXECUTION_PATHS = MetricSpec(
     "llm_engine_execution_paths", "gauge",
     "1 for the execution paths this engine runs (projections, attention, AMX, batch invariance) and its "
@@ -187,6 +199,7 @@ ENGINE_METRICS: tuple[MetricSpec, ...] = (
     KV_CACHE_USAGE, NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING,
     NUM_PREEMPTIONS, PROMPT_TOKENS, GENERATION_TOKENS, PREFIX_CACHE_QUERIES, PREFIX_CACHE_HITS, REQUEST_SUCCESS,
     SPEC_PROPOSED_TOKENS, SPEC_ACCEPTED_TOKENS, SPEC_VERIFIED_REQUESTS, SPEC_DECODE_REQUESTS, ENGINE_EXECUTION_PATHS,
+    GRAMMAR_COMPILE_TIME, GRAMMAR_MASK_TIME,
 )
 ROUTER_METRICS: tuple[MetricSpec, ...] = (ROUTER_STATS_AGE, ROUTER_ROUTED_REQUESTS, ROUTER_DECISIONS, ROUTER_CACHED_TOKENS_ABS_ERROR,
                                           ROUTER_PREDICTED_CACHED_TOKENS, ROUTER_ACTUAL_CACHED_TOKENS)

@@ -53,6 +53,7 @@ from serve_app.serving.openai_protocol import ChatCompletionRequest, CompletionR
 from serve_app.serving.responses import DONE_EVENT, KEEPALIVE_EVENT, ChoiceState, ResponseBuilder
 from serve_app.serving.stream_mux import MuxReceiver
 from serve_app.serving.streams import ChoicePump, ChoiceStream, MuxedChoiceStream, start_all
+from serve_app.serving.tool_prompt import render_chat
 from serve_app.types import GenerateRequest
 
 logger = logging.getLogger("ray.serve")
@@ -60,9 +61,6 @@ logger = logging.getLogger("ray.serve")
 HEALTH_TIMEOUT_S = 10.0
 HEALTH_PERIOD_S = 1.0  # at most one engine check per this long per ingress replica, whatever the probe rate
 # engine messages say "prompt: ..." for chat requests too; the client sent "messages"
-CHAT_PARAM_ALIASES = {"prompt": "messages"}
-
-
 class _ClosingStreamingResponse(StreamingResponse):
     """A StreamingResponse that always runs `on_close` (also when the client left before the first
     byte and the body iterator never started), so the replica calls are cancelled."""
@@ -141,6 +139,7 @@ class OpenAIAPI:
         self._check_fan_out(len(prompts), body.n)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         requests, prompt_indexes = [], []
+        echo = [] if body.echo else None
         for p, prompt in enumerate(prompts):
             first = None
             for j in range(body.n):
@@ -149,23 +148,38 @@ class OpenAIAPI:
                 first = await self._prepare(request, salt) if first is None else first
                 requests.append(dataclasses.replace(request, prompt_token_ids=first.prompt_token_ids, cache_salt=salt))
                 prompt_indexes.append(p)
+                if echo is not None:
+                    echo.append(self._prompt_text(prompt))
         builder = ResponseBuilder("completion", request_id, self.info.name, body.include_usage, body.continuous_usage)
-        return await self._generate(builder, requests, prompt_indexes, body.stream, {})
+        return await self._generate(builder, requests, prompt_indexes, body.stream, body.param_aliases(), echo)
+
+    def _prompt_text(self, prompt: str | list[int]) -> str:
+        """`echo`: the prompt as text (token ids decoded as the tokenizer writes them)."""
+        if isinstance(prompt, str):
+            return prompt
+        tokenizer = getattr(self.input_processor, "hf_tokenizer", None)
+        if tokenizer is None:
+            raise ValueError("echo: a prompt of token ids needs the server's tokenizer, which this server does not load")
+        return tokenizer.decode(prompt)
 
     async def chat_completions(self, body: ChatCompletionRequest, salt: str | None = None) -> Response:
         self._check_model(body.model)
         body.validate_supported(self.config.max_n)
         self._check_fan_out(1, body.n)
-        messages = body.engine_messages()
+        tools = body.tool_request()
+        messages, template_tools = render_chat(body.engine_messages(), tools, self.info.chat_template_tools)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        first = await self._prepare(GenerateRequest(request_id, messages=messages), salt)
+        params = [body.sampling_params(j, self.info.generation_defaults) for j in range(body.n)]
+        if tools is not None:
+            params = [tools.sampling_params(p) for p in params]
+        first = await self._prepare(GenerateRequest(request_id, messages=messages, tools=template_tools), salt)
         requests = [
-            GenerateRequest(f"{request_id}-0-{j}", messages=messages, sampling_params=body.sampling_params(j, self.info.generation_defaults),
-                            prompt_token_ids=first.prompt_token_ids, cache_salt=salt, user=body.user)
-            for j in range(body.n)
+            GenerateRequest(f"{request_id}-0-{j}", messages=messages, sampling_params=p, prompt_token_ids=first.prompt_token_ids,
+                            cache_salt=salt, user=body.user, tools=template_tools)
+            for j, p in enumerate(params)
         ]
-        builder = ResponseBuilder("chat", request_id, self.info.name, body.include_usage, body.continuous_usage)
-        return await self._generate(builder, requests, [0] * body.n, body.stream, CHAT_PARAM_ALIASES)
+        builder = ResponseBuilder("chat", request_id, self.info.name, body.include_usage, body.continuous_usage, tools)
+        return await self._generate(builder, requests, [0] * body.n, body.stream, body.param_aliases())
 
     def _check_fan_out(self, num_prompts: int, n: int) -> None:
         """A request's engine requests must fit what one replica admits, else none is started."""
@@ -188,14 +202,17 @@ class OpenAIAPI:
 
     # ---- generation -----------------------------------------------------------------------------
     async def _generate(self, builder: ResponseBuilder, requests: list[GenerateRequest], prompt_indexes: list[int],
-                        stream: bool, aliases: dict[str, str]) -> Response:
+                        stream: bool, aliases: dict[str, str], echo: list[str] | None = None) -> Response:
+        """`echo`: per request, text the choice starts with (the prompt, for completions' echo)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.request_timeout_s
         fan_out = len(requests) > 1
         streams = [self._stream(r, str(i) if fan_out else "") for i, r in enumerate(requests)]
         async with asyncio.timeout_at(deadline):
             firsts = await start_all(streams)  # errors (400, 503, ...) surface here, before any byte is sent
-        choices = [ChoiceState(prompt_index=p) for p in prompt_indexes]
+        if echo is not None:
+            firsts = [dataclasses.replace(f, text=e + f.text) for f, e in zip(firsts, echo, strict=True)]
+        choices = [builder.new_choice(p) for p in prompt_indexes]
         for choice, first in zip(choices, firsts, strict=True):
             choice.add(first)
         pump = ChoicePump(streams, self.config.max_stream_buffer_tokens if stream else None).start()
@@ -285,14 +302,14 @@ def build_fastapi_app(api: OpenAIAPI, api_key: str = "", record: Callable[[str, 
         try:
             return await api.completions(body, salt(body, request))
         except Exception as exc:  # noqa: BLE001
-            return api.error(exc)
+            return api.error(exc, body.param_aliases())
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         try:
             return await api.chat_completions(body, salt(body, request))
         except Exception as exc:  # noqa: BLE001
-            return api.error(exc, CHAT_PARAM_ALIASES)
+            return api.error(exc, body.param_aliases())
 
     if api.keyring is None and api_key:
         api.keyring = Keyring(env_key=api_key)

@@ -2,19 +2,23 @@
 
 Requests are pydantic models: a missing or mistyped field is a 400 naming the field (see
 `errors.py`). Each request turns itself into engine `SamplingParams` with `sampling_params()`, whose
-own validation names the offending field too. Parameters this server does not implement (tools,
-JSON mode, `logit_bias`, `echo`, `best_of` != n, `suffix`) are rejected with a 400 that names them
-instead of being silently ignored; unknown parameters (also inside a message) are rejected like
-OpenAI does. Sampling fields a request leaves out take the checkpoint's generation_config.json
+own validation names the offending field too. Parameters this server does not implement (legacy
+`functions` / `function_call`, `best_of` != n, `suffix`, `echo` with `logprobs`) are rejected with a
+400 that names them instead of being silently ignored; unknown parameters (also inside a message) are
+rejected like OpenAI does. Tool calling (`tools`, `tool_choice`, `parallel_tool_calls`, `tool`
+messages, earlier assistant `tool_calls`): shapes here, meaning in `tools.py` and `tool_prompt.py`.
+Sampling fields a request leaves out take the checkpoint's generation_config.json
 defaults (`GenerationDefaults`), then OpenAI's.
 
 Extensions beyond OpenAI's API (vLLM's names): `top_k` (0 or -1: off), `repetition_penalty`,
-`min_tokens`, `stop_token_ids`, `ignore_eos` (benchmarks) and `speculative` (false: opt this request
-out of the engine's speculative decoding). docs/openai-api.md lists them all.
+`min_tokens`, `stop_token_ids`, `ignore_eos` (benchmarks), `speculative` (false: opt this request
+out of the engine's speculative decoding) and `structured_outputs` (constrained output:
+serving/structured_request.py). docs/openai-api.md lists them all.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -31,16 +35,28 @@ from serve_app.request_limits import (
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
     MAX_TEMPERATURE,
+    MAX_TOOL_CALL_ID_CHARS,
+    MAX_TOOL_CALLS_PER_MESSAGE,
+    MAX_TOOL_DESCRIPTION_CHARS,
+    MAX_TOOL_NAME_CHARS,
+    MAX_TOOLS,
     MAX_USER_CHARS,
     wrap_int64,
 )
 from serve_app.serving.cache_salt import MAX_REQUEST_SALT_CHARS
-from serve_app.types import SamplingParams
+from serve_app.serving.structured_request import (
+    from_response_format,
+    from_structured_outputs,
+    logit_bias_pairs,
+)
+from serve_app.serving.tools import ToolRequest, tool_request
+from serve_app.types import SamplingParams, StructuredOutput
 
 # bounded strings and lists: pydantic rejects them before anything else looks at the request, with a
 # 400 naming the field and the bound ("user: String should have at most 256 characters")
 ShortText = Annotated[str, Field(max_length=MAX_MESSAGE_NAME_CHARS)]
 MetadataText = Annotated[str, Field(max_length=MAX_METADATA_CHARS)]
+ToolName = Annotated[str, Field(min_length=1, max_length=MAX_TOOL_NAME_CHARS, pattern=r"^[a-zA-Z0-9_-]+$")]
 
 # ---- errors --------------------------------------------------------------------------------------
 
@@ -95,7 +111,8 @@ class _SamplingFields(_Request):
     repetition_penalty: float | None = None  # extension
     min_tokens: int = 0  # extension
     stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)  # extension
-    logit_bias: dict[str, float] | None = None  # rejected unless empty (unsupported)
+    logit_bias: dict[str, float] | None = None  # token-id strings → bias in [-100, 100]
+    structured_outputs: dict[str, Any] | None = None  # vLLM's extension (serving/structured_request.py)
     user: str | None = Field(default=None, max_length=MAX_USER_CHARS)
     cache_salt: str | None = None  # vLLM's: a prefix-cache namespace (serving.cache_salt)
     ignore_eos: bool = False  # extension
@@ -120,10 +137,16 @@ class _SamplingFields(_Request):
             raise ValueError("stream_options: only allowed when stream is true")
         if self.temperature is not None and self.temperature > MAX_TEMPERATURE:
             raise ValueError(f"temperature: must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature!r}")
-        if self.logit_bias:
-            raise UnsupportedParameterError("logit_bias", "is not supported by this server")
         if self.cache_salt is not None and not 1 <= len(self.cache_salt) <= MAX_REQUEST_SALT_CHARS:
             raise ValueError(f"cache_salt: must be a non-empty string of at most {MAX_REQUEST_SALT_CHARS} characters")
+
+    def structured(self) -> StructuredOutput | None:
+        """The request's output constraint (ValueError naming the field when malformed)."""
+        return None if self.structured_outputs is None else from_structured_outputs(self.structured_outputs)
+
+    def param_aliases(self) -> dict[str, str]:
+        """Engine field names → this request's API field names (for the 400's `param`)."""
+        return {"structured": "structured_outputs"}
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None, choice_index: int,
                          defaults: GenerationDefaults | None) -> SamplingParams:
@@ -148,6 +171,8 @@ class _SamplingFields(_Request):
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             speculative=self.speculative,
+            structured=self.structured(),
+            logit_bias=logit_bias_pairs(self.logit_bias),
         )
 
 
@@ -177,8 +202,9 @@ class CompletionRequest(_SamplingFields):
 
     def validate_supported(self, max_n: int) -> None:
         self._check_common(max_n)
-        if self.echo:
-            raise UnsupportedParameterError("echo", "is not supported by this server")
+        if self.echo and self.logprobs is not None:
+            raise UnsupportedParameterError("echo", "echo with logprobs (the prompt's logprobs) is not supported by this "
+                                                    "server: leave out one of them")
         if self.best_of is not None and self.best_of != self.n:
             raise UnsupportedParameterError("best_of", "is not supported by this server (leave it out or equal to n)")
         if self.suffix:
@@ -193,6 +219,31 @@ class TextPart(_Request):
     text: str
 
 
+class ToolFunction(_Request):
+    name: ToolName
+    description: str | None = Field(default=None, max_length=MAX_TOOL_DESCRIPTION_CHARS)
+    parameters: dict[str, Any] | None = None  # a JSON schema of type object (tools.check_parameters)
+    strict: bool | None = None  # auto mode: a call whose arguments do not validate stays text
+
+
+class Tool(_Request):
+    type: Literal["function"]
+    function: ToolFunction
+
+
+class ToolCallFunction(_Request):
+    name: ToolName
+    arguments: str  # a JSON object, as text
+
+
+class MessageToolCall(_Request):
+    """A tool call of an earlier assistant message."""
+
+    id: str = Field(min_length=1, max_length=MAX_TOOL_CALL_ID_CHARS)
+    type: Literal["function"]
+    function: ToolCallFunction
+
+
 class ChatMessage(_Request):
     """One chat message; an unknown field (a typo) is a 400 naming it, as at OpenAI."""
 
@@ -200,17 +251,25 @@ class ChatMessage(_Request):
     content: str | Annotated[list[dict[str, Any]], Field(max_length=MAX_CONTENT_PARTS)] | None = None
     name: ShortText | None = None  # handed to the chat template, which may use it
     refusal: str | None = None  # an earlier assistant refusal: only null is accepted (it has no template slot)
-    tool_calls: list[dict[str, Any]] | None = None
-    tool_call_id: str | None = None
+    tool_calls: list[MessageToolCall] | None = Field(default=None, max_length=MAX_TOOL_CALLS_PER_MESSAGE)
+    tool_call_id: str | None = Field(default=None, min_length=1, max_length=MAX_TOOL_CALL_ID_CHARS)
     function_call: dict[str, Any] | None = None
 
-    def to_engine(self, index: int) -> dict[str, str]:
-        """The message as the chat template sees it: {"role", "content"[, "name"]} with string content."""
+    def to_engine(self, index: int) -> dict[str, Any]:
+        """The message as the chat template sees it: {"role", "content"[, "name"]} with string content;
+        a `tool` message adds "tool_call_id", an assistant message's calls come as "tool_calls" with
+        their arguments parsed (templates read them as objects, as vLLM hands them)."""
         where = f"messages.{index}"
-        if self.role in ("tool", "function") or self.tool_calls or self.tool_call_id or self.function_call:
-            raise UnsupportedParameterError(where, "tool and function messages are not supported by this server")
+        if self.role == "function" or self.function_call is not None:
+            raise UnsupportedParameterError(where, "legacy function messages are not supported by this server; "
+                                            "use tool_calls and role 'tool'")
         if self.refusal is not None:
             raise UnsupportedParameterError(f"{where}.refusal", "is not supported by this server (send the refusal as content)")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError(f"{where}.tool_calls: only allowed for role 'assistant'")
+        if (self.tool_call_id is not None) != (self.role == "tool"):
+            raise ValueError(f"{where}.tool_call_id: " + ("is required for role 'tool'" if self.role == "tool"
+                                                          else "only allowed for role 'tool'"))
         content = self.content
         if isinstance(content, list):
             texts = []
@@ -223,10 +282,24 @@ class ChatMessage(_Request):
             if self.role != "assistant":
                 raise ValueError(f"{where}.content: is required for role {self.role!r}")
             content = ""
-        message = {"role": "system" if self.role == "developer" else self.role, "content": content}
+        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": content}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            message["tool_calls"] = [_engine_tool_call(f"{where}.tool_calls.{j}", c) for j, c in enumerate(self.tool_calls)]
         return message
+
+
+def _engine_tool_call(where: str, call: MessageToolCall) -> dict[str, Any]:
+    try:
+        arguments = json.loads(call.function.arguments)
+    except ValueError:
+        arguments = None
+    if not isinstance(arguments, dict):
+        raise ValueError(f"{where}.function.arguments: must be a JSON object, as a string")
+    return {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": arguments}}
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -237,15 +310,19 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
 
-    def engine_messages(self) -> tuple[dict[str, str], ...]:
+    def engine_messages(self) -> tuple[dict[str, Any], ...]:
         return tuple(m.to_engine(i) for i, m in enumerate(self.messages))
+
+    def tool_request(self) -> ToolRequest | None:
+        """The validated tool settings (None: no tools); ValueError naming the field."""
+        return tool_request(self.tools, self.tool_choice, self.parallel_tool_calls)
 
     def validate_supported(self, max_n: int) -> None:
         self._check_common(max_n)
@@ -253,14 +330,24 @@ class ChatCompletionRequest(_SamplingFields):
             raise ValueError("top_logprobs: requires logprobs to be true")
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
             raise ValueError(f"top_logprobs: must be an integer in [0, {MAX_LOGPROBS}], got {self.top_logprobs}")
-        if self.parallel_tool_calls is not None:
-            raise UnsupportedParameterError("parallel_tool_calls", "tool calling is not supported by this server")
-        if self.tools or self.functions:
-            raise UnsupportedParameterError("tools" if self.tools else "functions", "tool calling is not supported by this server")
-        if self.tool_choice not in (None, "none") or self.function_call not in (None, "none"):
-            raise UnsupportedParameterError("tool_choice", "tool calling is not supported by this server")
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            raise UnsupportedParameterError("response_format", "only {'type': 'text'} is supported by this server")
+        if self.functions is not None or self.function_call is not None:
+            raise UnsupportedParameterError("functions" if self.functions is not None else "function_call",
+                                            "the legacy function-calling parameters are not supported by this server; "
+                                            "use tools and tool_choice")
+        if self.response_format is not None and self.structured_outputs is not None:
+            raise ValueError("response_format: give either response_format or structured_outputs, not both")
+
+    def structured(self) -> StructuredOutput | None:
+        if self.response_format is not None:
+            return from_response_format(self.response_format)
+        return super().structured()
+
+    def param_aliases(self) -> dict[str, str]:
+        """Engine field names → this request's API field names (for the 400's `param`): under tool_choice
+        "required" or a named function the output constraint is made of the tools' schemas."""
+        constrained = bool(self.tools) and self.tool_choice not in (None, "none", "auto")
+        structured = "tools" if constrained else "response_format" if self.response_format is not None else "structured_outputs"
+        return {"prompt": "messages", "structured": structured}
 
     def sampling_params(self, choice_index: int = 0, defaults: GenerationDefaults | None = None) -> SamplingParams:
         limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -10,6 +10,11 @@ Shapes (what the official `openai` client parses):
   a choice carries its `finish_reason`; with `stream_options.include_usage` every chunk has
   `"usage": null` (with `continuous_usage_stats`, vLLM's extension: the usage so far) and a final
   chunk with `"choices": []` carries the usage; then `data: [DONE]`.
+- tool calls (`tools` with tool_choice other than "none", serving/tool_output.py): the message has
+  `tool_calls` [{"id": "call_…", "type": "function", "function": {"name", "arguments"}}] (content
+  null when there are only calls) and `finish_reason` "tool_calls"; streamed, the role delta has
+  content null, a call's first delta carries its index, id, type and name (arguments ""), its
+  arguments follow in pieces, and the last chunk carries finish_reason "tool_calls".
 - logprobs (when requested, else null): completions use the legacy shape {"tokens", "token_logprobs",
   "top_logprobs": [{token: logprob}], "text_offset"}; chat {"content": [{"token", "logprob", "bytes",
   "top_logprobs": [{"token", "logprob", "bytes"}]}], "refusal": null}. JSON has no -infinity: a
@@ -24,6 +29,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from serve_app.serving.llm_server import GenerationChunk
+from serve_app.serving.tool_output import ToolCallState, ToolEvent, make_extractor, stream_deltas
+from serve_app.serving.tools import ToolRequest
 from serve_app.types import TokenLogprob
 
 Kind = Literal["completion", "chat"]
@@ -66,8 +73,12 @@ class ChoiceState:
     logprobs: list[TokenLogprob] | None = None  # a list once a chunk carried logprobs
     num_chars: int = 0
     last_offset: int = 0  # text offset of the last chunk added
+    tool_calls: ToolCallState | None = None  # a chat request with tools: content and calls read from the text
+    last_events: list[ToolEvent] = field(default_factory=list)  # tool_calls' events of the last chunk added
 
     def add(self, chunk: GenerationChunk) -> None:
+        if self.tool_calls is not None:
+            self.last_events = self.tool_calls.feed(chunk.text, chunk.finished)
         self.last_offset = self.num_chars
         self.num_chars += len(chunk.text)
         if chunk.logprobs is not None:  # in place: copying the list at every chunk is quadratic in its length
@@ -100,8 +111,9 @@ def usage(choices: list[ChoiceState]) -> dict[str, Any]:
 
 class ResponseBuilder:
     def __init__(self, kind: Kind, request_id: str, model: str, include_usage: bool = False,
-                 continuous_usage: bool = False) -> None:
+                 continuous_usage: bool = False, tools: ToolRequest | None = None) -> None:
         self.kind = kind
+        self.tools = tools if tools is not None and tools.mode != "none" else None
         self.request_id = request_id
         self.model = model
         self.created = int(time.time())
@@ -118,7 +130,16 @@ class ResponseBuilder:
         self._delta_tail = ("" if kind == "completion" else "}") + ', "logprobs": null, "finish_reason": '
         self._event_tail = ']' + (', "usage": null' if include_usage else "") + "}\n\n"
 
+    def new_choice(self, prompt_index: int) -> ChoiceState:
+        extractor = make_extractor(self.tools) if self.tools is not None else None
+        return ChoiceState(prompt_index, tool_calls=ToolCallState(extractor) if extractor is not None else None)
+
     # ---- non-streamed ----------------------------------------------------------------------------
+    def _message(self, c: ChoiceState) -> tuple[dict, str | None]:
+        if c.tool_calls is None:
+            return {"role": "assistant", "content": c.text}, c.finish_reason
+        return c.tool_calls.message(), c.tool_calls.finish_reason(c.finish_reason)
+
     def full(self, choices: list[ChoiceState]) -> dict:
         if self.kind == "completion":
             body_choices = [
@@ -128,9 +149,8 @@ class ResponseBuilder:
             obj = "text_completion"
         else:
             body_choices = [
-                {"index": i, "message": {"role": "assistant", "content": c.text}, "logprobs": self._logprobs(c.logprobs, 0),
-                 "finish_reason": c.finish_reason}
-                for i, c in enumerate(choices)
+                {"index": i, "message": message, "logprobs": self._logprobs(c.logprobs, 0), "finish_reason": reason}
+                for i, c in enumerate(choices) for message, reason in [self._message(c)]
             ]
             obj = "chat.completion"
         return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model,
@@ -153,14 +173,17 @@ class ResponseBuilder:
         """Chat streams announce the assistant role for every choice first."""
         if self.kind != "chat":
             return ""
+        content = None if self.tools is not None else ""  # OpenAI's opening of an answer that may be tool calls
         return "".join(
-            self._event([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
+            self._event([{"index": i, "delta": {"role": "assistant", "content": content}, "logprobs": None, "finish_reason": None}])
             for i in range(num_choices)
         )
 
     def chunk_event(self, index: int, chunk: GenerationChunk, choices: list[ChoiceState]) -> str:
         """One event for one delta already added to `choices[index]` ("" when it carries neither
         text, logprobs nor the finish)."""
+        if choices[index].tool_calls is not None:
+            return self._tool_chunk_event(index, chunk, choices)
         reason = chunk.finish_reason if chunk.finished else None
         if not chunk.text and reason is None and not chunk.logprobs:
             return ""
@@ -175,6 +198,23 @@ class ResponseBuilder:
             delta = {"content": chunk.text} if chunk.text else {}
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
         return self._event([choice], usage(choices) if self.continuous_usage else None, final_usage=self.continuous_usage)
+
+    def _tool_chunk_event(self, index: int, chunk: GenerationChunk, choices: list[ChoiceState]) -> str:
+        """The events of one delta of a choice with tools: one per stream delta of its tool events
+        (logprobs and the finish reason on the last)."""
+        choice = choices[index]
+        reason = choice.tool_calls.finish_reason(chunk.finish_reason) if chunk.finished else None
+        deltas = stream_deltas(choice.last_events)
+        if not deltas and reason is None and not chunk.logprobs:
+            return ""
+        logprobs = self._logprobs(chunk.logprobs, choice.last_offset)
+        deltas = deltas or [{}]
+        usage_value = usage(choices) if self.continuous_usage else None
+        return "".join(
+            self._event([{"index": index, "delta": delta, "logprobs": logprobs if k == len(deltas) - 1 else None,
+                          "finish_reason": reason if k == len(deltas) - 1 else None}], usage_value,
+                        final_usage=self.continuous_usage)
+            for k, delta in enumerate(deltas))
 
     def usage_event(self, choices: list[ChoiceState]) -> str:
         return self._event([], usage(choices), final_usage=True) if self.include_usage else ""

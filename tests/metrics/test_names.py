@@ -33,6 +33,8 @@ DOCUMENTED_TABLE = {
     "llm_spec_verified_requests_total": "counter",
     "llm_spec_decode_requests_total": "counter",
     "llm_engine_execution_paths": "gauge",
+    "llm_grammar_compile_seconds": "histogram",
+    "llm_grammar_mask_seconds": "histogram",
 }
 
 
