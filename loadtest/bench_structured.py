@@ -35,6 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's serve_app, also in the workers
 from bench_engine import Worker, command_line, log, machine_info  # noqa: E402
 
+SCRIPT = "loadtest/bench_structured.py"
+
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 40},
     "price_usd": {"type": "integer", "minimum": 1, "maximum": 100000},
@@ -238,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for w in workers.values():
             w.stop()
-    report = {"machine": info, "command": command_line(), "schema": SCHEMA, "num_requests": len(PRODUCTS), "max_tokens": MAX_TOKENS,
+    report = {"machine": info, "command": command_line().replace("loadtest/bench_engine.py", SCRIPT), "schema": SCHEMA, "num_requests": len(PRODUCTS), "max_tokens": MAX_TOKENS,
               "runs": runs, "valid_outputs": validity, "native_compile_first_seen_s": compile_s, "native_overlap": native_overlap}
     med = {label: {k: statistics.median(x[k] for x in rs) if all(x.get(k) is not None for x in rs) else None
                    for k in rs[0]} for label, rs in runs.items()}
@@ -249,8 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     if nc["tpot_median_s"] and nu["tpot_median_s"]:
         ratios["native constrained / unconstrained TPOT"] = nc["tpot_median_s"] / nu["tpot_median_s"]
     other = med[OTHER_PLACEMENT]
-    label = "during" if report["native_overlap"] else "after"
-    ratios[f"native constrained tok/s, default mask placement ({label} the forward) / the other"] = nc["output_tok_s"] / other["output_tok_s"]
+    label = "during the forward" if report["native_overlap"] else "in the engine thread, before the forward"
+    ratios[f"native constrained tok/s, default mask placement ({label}) / the other"] = nc["output_tok_s"] / other["output_tok_s"]
     if "vllm constrained" in med:
         ratios["native constrained / vLLM-CPU constrained output tok/s"] = nc["output_tok_s"] / med["vllm constrained"]["output_tok_s"]
         ratios["vLLM-CPU constrained / unconstrained output tok/s"] = (med["vllm constrained"]["output_tok_s"]

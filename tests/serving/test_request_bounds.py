@@ -62,7 +62,8 @@ def param_error(body: dict, kind=ChatCompletionRequest) -> tuple[str | None, str
     (chat(messages=[{"role": "user", "content": "hi"}] * 10_000), "messages"),
     (chat(messages=[{"role": "user", "content": [{"type": "text", "text": "a"}] * 1000}]), "messages.0.content"),
     (chat(metadata={str(i): "v" for i in range(100)}), "metadata"),
-    (chat(logit_bias={"50": 1.0}), "logit_bias"),
+    (chat(logit_bias={str(i): 1.0 for i in range(301)}), "logit_bias"),
+    (chat(logit_bias={"50": 1e9}), "logit_bias"),
 ])
 def test_out_of_bounds_is_a_400_naming_the_field(body, param):
     got, message = param_error(body)

@@ -50,8 +50,11 @@ def logprob_script(request, attempt):
     ({"messages": [{"role": "assistant", "content": "no", "refusal": "I can't"}]}, "messages.0.refusal"),
     ({"presence_penalty": 2.5}, "presence_penalty"),
     ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
-    ({"logit_bias": {"1": 3}}, "logit_bias"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"logit_bias": {"1": 101}}, "logit_bias"),
+    ({"logit_bias": {"x": 1}}, "logit_bias"),
+    ({"response_format": {"type": "xml"}}, "response_format.type"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
     ({"stream_options": {"include_usage": True, "continuous": True}, "stream": True}, "stream_options.continuous"),
 ])
 def test_rejected_fields_are_400_naming_them(body, param):
@@ -66,7 +69,7 @@ def test_rejected_fields_are_400_naming_them(body, param):
     assert handle.calls == []
 
 
-@pytest.mark.parametrize(("body", "param"), [({"echo": True}, "echo"), ({"best_of": 3}, "best_of"), ({"suffix": "x"}, "suffix"),
+@pytest.mark.parametrize(("body", "param"), [({"echo": True, "logprobs": 1}, "echo"), ({"best_of": 3}, "best_of"), ({"suffix": "x"}, "suffix"),
                                              ({"logprobs": 21}, "logprobs"), ({"temperature": 2.01}, "temperature")])
 def test_rejected_completion_fields(body, param):
     handle = FakeHandle(ok_script)
