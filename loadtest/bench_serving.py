@@ -13,8 +13,9 @@ engine through Ray Serve against the same engine called directly, in one run.
    OpenAIIngress → LLMServer → SSE. Repeats are interleaved (direct, then Serve, alternating order)
    so that a change in machine load hits both alike; ratios are taken per repeat and reported as
    median [min-max].
-3. Anchors (loadtest/serving_anchors.py): vLLM-CPU's own OpenAI server and Ray Serve LLM against
-   vLLM's offline engine, and our offline `LLM`, on the same workload at `--anchor-concurrency` streams.
+3. Anchors (loadtest/serving_anchors.py): vLLM-CPU's own OpenAI server and Ray Serve LLM (classic, and
+   with direct streaming: HAProxy → LLMServer replica) against vLLM's offline engine, and our offline
+   `LLM`, on the same workload at `--anchor-concurrency` streams.
 
     .venv/bin/python loadtest/bench_serving.py            # reports/serving.{json,md,png}
     .venv/bin/python loadtest/bench_serving.py --quick    # smoke run (build/bench-serving-quick/)
@@ -394,7 +395,8 @@ def write_report(results: dict[str, Any], out_dir: Path) -> None:
 
 def anchor_lines(results: dict[str, Any]) -> list[str]:
     """Each stack's output tok/s through its server against its own engine offline, at the anchor
-    concurrency: vLLM's OpenAI server, Ray Serve LLM (both over vLLM-CPU), and ours through Serve."""
+    concurrency: vLLM's OpenAI server, Ray Serve LLM classic and with direct streaming (all over vLLM-CPU),
+    and ours through Serve."""
     if "anchors" not in results:
         return []
     anchors, c = results["anchors"]["results"], results["anchors"]["concurrency"][0]
@@ -410,7 +412,9 @@ def anchor_lines(results: dict[str, Any]) -> list[str]:
              "| stack | offline engine, tok/s | through its server, tok/s | server ÷ offline |", "|---|---|---|---|"]
     vllm_offline, native_offline = rate("vllm-offline"), rate("native-offline")
     for name, label, offline in (("vllm-server", "vLLM-CPU's OpenAI server", vllm_offline),
-                                 ("ray-serve-llm", "Ray Serve LLM over vLLM-CPU (1 replica)", vllm_offline)):
+                                 ("ray-serve-llm", "Ray Serve LLM over vLLM-CPU (1 replica)", vllm_offline),
+                                 ("ray-serve-llm-direct", "Ray Serve LLM over vLLM-CPU, direct streaming (1 replica, HAProxy)",
+                                  vllm_offline)):
         served = rate(name)
         ratio = f"× {served['median'] / offline['median']:.2f}" if served and offline else "–"
         lines.append(f"| {label} | {fmt(offline) if offline else '–'} | {fmt(served) if served else '–'} | {ratio} |")

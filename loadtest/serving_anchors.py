@@ -31,7 +31,6 @@ import random
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -40,7 +39,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # serve_app from this checkout when run as a script
 from serve_app.metrics import local_stack  # noqa: E402
-from serve_app.serving.haproxy_env import LLM_DIRECT_STREAMING, haproxy_env  # noqa: E402
+from serve_app.serving.haproxy_env import LLM_DIRECT_STREAMING, STATE_DIR, haproxy_env  # noqa: E402
 
 ANCHORS = ("native-offline", "vllm-offline", "vllm-server", "ray-serve-llm", "ray-serve-llm-direct")
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
@@ -222,9 +221,9 @@ def run_ray_serve_llm(opts: argparse.Namespace, direct_streaming: bool = False) 
     """Ray Serve LLM over vLLM-CPU, one LLMServer replica. `direct_streaming`: HAProxy on the HTTP
     port forwards to the replica's own HTTP server (Ray refuses an ingress deployment config there:
     there is no OpenAiIngress deployment)."""
-    env, workdir = {}, Path(tempfile.mkdtemp(prefix="haproxy-"))
+    env = {}
     if direct_streaming:  # Ray reads it at import (here) and at process start (inherited from here)
-        env = {**haproxy_env(workdir), LLM_DIRECT_STREAMING: "1"}
+        env = {**haproxy_env(), LLM_DIRECT_STREAMING: "1"}
         os.environ.update(env)
     import ray
     from ray import serve
@@ -250,7 +249,8 @@ def run_ray_serve_llm(opts: argparse.Namespace, direct_streaming: bool = False) 
         with contextlib.suppress(Exception):
             serve.shutdown()
         ray.shutdown()
-        shutil.rmtree(workdir, ignore_errors=True)
+        if STATE_DIR in env:
+            shutil.rmtree(env[STATE_DIR], ignore_errors=True)
 
 
 async def _streams_runs(url: str, opts: argparse.Namespace) -> list[dict[str, Any]]:

@@ -1,0 +1,70 @@
+"""The prototype of serve_app/serving/haproxy_ingress.py under `serve run`: HAProxy on the HTTP port,
+our LLMServer replica as the HTTP ingress, our ingress request router picking it. A streamed
+completion must carry the same tokens as the non-streamed one, and the API key, the OpenAI error
+bodies and the field-naming 400 must hold as through OpenAIIngress. One replica, one `serve run`,
+clients on 127.0.0.1 only (HAProxy binds it; Serve binds the replica's own port on all interfaces,
+which is why the app must have a key)."""
+
+from __future__ import annotations
+
+import shutil
+
+import httpx
+import openai
+import pytest
+import yaml
+
+from serve_app.serving.haproxy_env import STATE_DIR, haproxy_env
+from tests.serving.conftest import MODEL_NAME, REPO, assert_error_body, free_port
+from tests.serving.serve_process import start_serve_run, stop_serve_run, wait_until_answering
+
+pytestmark = pytest.mark.startup(reason="starts `serve run` (a Ray cluster, HAProxy and the app) in a subprocess within a bound")
+
+KEY = "sk-haproxy-51c2"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+PROMPT = "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def url(tmp_path_factory):
+    """The HAProxy URL of a running `serve run` of `build_haproxy_app` (configs/local.yaml's args, one replica)."""
+    tmp = tmp_path_factory.mktemp("haproxy")
+    config = yaml.safe_load((REPO / "configs" / "local.yaml").read_text())
+    port = free_port()
+    config["http_options"]["port"] = port
+    app = config["applications"][0]
+    app["import_path"] = "serve_app.serving.haproxy_ingress:build_haproxy_app"
+    app["args"].update(num_replicas=1, torch_num_threads=0)
+    config_path = tmp / "haproxy.yaml"
+    config_path.write_text(yaml.safe_dump(config))
+    env = {**haproxy_env(), "RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY": "1",
+           "PYTHONPATH": str(REPO), "SERVE_APP_API_KEY": KEY}  # PYTHONPATH: this checkout's serve_app in every process
+    log_path = tmp / "serve.log"
+    proc = start_serve_run(config_path, REPO, log_path, **env)
+    try:
+        wait_until_answering(proc, f"http://127.0.0.1:{port}/health", log_path)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        stop_serve_run(proc)
+        shutil.rmtree(env[STATE_DIR], ignore_errors=True)
+
+
+def test_a_streamed_completion_through_haproxy_matches_the_whole_one(url):
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=60)
+    whole = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=8, temperature=0)
+    assert whole.usage.completion_tokens == 8
+    events = list(client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=8, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(e.choices[0].text for e in events if e.choices) == whole.choices[0].text
+    assert events[-1].usage.completion_tokens == 8
+
+
+def test_the_key_and_the_error_bodies_hold_behind_haproxy(url):
+    with httpx.Client(base_url=url, timeout=60) as http:
+        body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 2, "stream": True}
+        assert_error_body(http.post("/v1/completions", json=body), 401, code="invalid_api_key")
+        assert_error_body(http.post("/v1/completions", json={**body, "max_tokens": -1}, headers=AUTH), 400,
+                          param="max_tokens")
+        assert_error_body(http.post("/v1/completions", json={**body, "model": "nope"}, headers=AUTH), 404,
+                          code="model_not_found")
+        assert http.get("/v1/models", headers=AUTH).json()["data"][0]["id"] == MODEL_NAME
