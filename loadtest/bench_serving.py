@@ -552,9 +552,15 @@ def main() -> None:
         opts.repeats, opts.ttft_requests, opts.output_len, opts.concurrency = 1, 4, 16, [8, 32]
         opts.null_streams, opts.null_output_lens, opts.null_repeats = [64], [128], 1
         opts.anchor_concurrency = [8]
+    if "haproxy" in opts.real_profiles and (len(opts.real_profiles) > 1 or not opts.skip_null):
+        # Serve reads HAProxy mode when this process first imports it, and checks it when building the app here
+        parser.error("--real-profiles haproxy runs alone (with --skip-null): HAProxy mode is read once per process")
     if len(opts.replica_threads) != len(opts.replicas):
         parser.error("--replica-threads needs one value per --replicas entry")
     out_dir = Path(opts.out_dir or (REPO / ("build/bench-serving-quick" if opts.quick else "reports")))
+    real_envs = {profile: serving_path.profile_env(profile) for profile in opts.real_profiles}
+    if "haproxy" in real_envs:  # before anything imports Ray Serve (serving.app below): it reads HAProxy mode then
+        os.environ.update(real_envs["haproxy"])
 
     config = yaml.safe_load((REPO / opts.config).read_text())
     args = dict(config["applications"][0]["args"])
@@ -596,10 +602,12 @@ def main() -> None:
             direct = DirectTarget(args["model"], engine_kwargs)
             try:
                 for profile in opts.real_profiles:  # each in its own Ray instance, as above
-                    env = results["real_profile_env"][profile] = serving_path.profile_env(profile)
+                    env = results["real_profile_env"][profile] = real_envs[profile]
                     with _ray_environment(env):
                         for (replicas, n_threads), mux, batch in itertools.product(
-                                zip(opts.replicas, opts.replica_threads, strict=True), opts.real_mux,
+                                zip(opts.replicas, opts.replica_threads, strict=True),
+                                # haproxy: no ingress hop, nothing to multiplex
+                                ["off"] if profile == "haproxy" else opts.real_mux,
                                 opts.real_batch or [args.get("stream_batch_interval_s", 0.0)]):
                             variant = run_variant(direct, {**args, "num_replicas": replicas, "torch_num_threads": n_threads,
                                                            "stream_multiplexing": mux == "on", "stream_batch_interval_s": batch},
