@@ -2,11 +2,12 @@
 our LLMServer replica as the HTTP ingress, our ingress request router picking it. A streamed
 completion must carry the same tokens as the non-streamed one, every POST must have been routed by
 our router, and the API key, the OpenAI error bodies and the field-naming 400 must hold as through
-OpenAIIngress. One replica, one `serve run`, clients on 127.0.0.1 only (HAProxy binds it; Serve
+OpenAIIngress, and a client that leaves must stop its request in the engine. One replica, one `serve run`, clients on 127.0.0.1 only (HAProxy binds it; Serve
 binds the replica's own port on all interfaces, which is why the app must have a key)."""
 
 from __future__ import annotations
 
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,7 +56,7 @@ def served(tmp_path_factory):
     config["http_options"]["port"] = port
     app = config["applications"][0]
     app["import_path"] = "serve_app.serving.haproxy_ingress:build_haproxy_app"
-    app["args"].update(num_replicas=1, torch_num_threads=0)
+    app["args"].update(num_replicas=1, torch_num_threads=0, log_requests=True)  # the replica logs each request's end
     config_path = tmp / "haproxy.yaml"
     config_path.write_text(yaml.safe_dump(config))
     env = {**haproxy_env(), "RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY": "1",
@@ -95,3 +96,20 @@ def test_the_key_and_the_error_bodies_hold_behind_haproxy(served):
         assert_error_body(http.post("/v1/completions", json={**body, "model": "nope"}, headers=AUTH), 404,
                           code="model_not_found")
         assert http.get("/v1/models", headers=AUTH).json()["data"][0]["id"] == MODEL_NAME
+
+
+def test_a_client_that_leaves_stops_its_request(served):
+    """1,500 tokens take over a minute here; the replica's log line for the request comes well before,
+    with a few tokens, once the client has closed the connection after three events."""
+    prompt = "Count slowly: one, two,"
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 1500, "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=served.url, timeout=60, headers=AUTH) as http, \
+            http.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        events = (line for line in r.iter_lines() if line.startswith("data: "))
+        for _ in range(3):
+            next(events)
+    ended = re.compile(rf"request cmpl-\S+: prompt '{re.escape(prompt)}' → (\d+) tokens")
+    match = wait_for(lambda: ended.search(served.log.read_text()), 45, interval_s=0.5,
+                     message="the replica to end the request")
+    assert 3 <= int(match.group(1)) < 1500
