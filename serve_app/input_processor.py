@@ -62,6 +62,20 @@ def tokenizer_class_name(tokenizer: Any | None) -> str | None:
     return None if tokenizer is None else f"{type(tokenizer).__module__}.{type(tokenizer).__qualname__}"
 
 
+def template_renders_tools(chat_template: Any) -> bool:
+    """Whether a chat template reads the `tools` variable (False without a template)."""
+    if not isinstance(chat_template, str) or not chat_template:
+        return False
+    from jinja2 import Environment, meta
+    from jinja2.exceptions import TemplateError
+
+    try:  # HF renders templates with the loop-controls extension
+        ast = Environment(extensions=["jinja2.ext.loopcontrols"]).parse(chat_template)
+    except TemplateError:
+        return False
+    return "tools" in meta.find_undeclared_variables(ast)
+
+
 @dataclass(frozen=True)
 class ProcessedRequest:
     """A request validated against the model: its prompt as token ids and its sampling parameters
@@ -112,6 +126,11 @@ class InputProcessor:
     @property
     def eos_token_ids(self) -> frozenset[int]:
         return self.generation_defaults.eos_token_ids
+
+    @property
+    def chat_template_tools(self) -> bool:
+        """The chat template renders `tools` itself (else serving/tool_prompt.py writes them)."""
+        return template_renders_tools(getattr(self.hf_tokenizer, "chat_template", None))
 
     @property
     def tokenizer_class(self) -> str | None:

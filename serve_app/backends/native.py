@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, Any
 
 from serve_app.backends.base import Backend, BackendDeadError, ModelInfo, RoutingStats
 from serve_app.config import EngineConfig
-from serve_app.serving.tool_prompt import template_renders_tools
 from serve_app.types import GenerateRequest, RequestOutput
 
 if TYPE_CHECKING:
@@ -95,7 +94,7 @@ class NativeBackend(Backend):
         inputs = self.engine.engine.input_processor
         return ModelInfo(name=self.model_name, max_model_len=self.engine.max_model_len, backend="native",
                          generation_defaults=inputs.generation_defaults, tokenizer_class=inputs.tokenizer_class,
-                         chat_template_tools=template_renders_tools(getattr(inputs.hf_tokenizer, "chat_template", None)))
+                         chat_template_tools=inputs.chat_template_tools)
 
     def check_health(self) -> None:
         try:

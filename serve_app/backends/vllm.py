@@ -34,7 +34,6 @@ from typing import TYPE_CHECKING, Any
 from serve_app.backends.base import Backend, BackendDeadError, ModelInfo, RoutingStats
 from serve_app.backends.vllm_options import VLLMOptions
 from serve_app.backends.vllm_stats import VLLMStatsBridge, finish_reason, make_vllm_stat_logger
-from serve_app.serving.tool_prompt import template_renders_tools
 from serve_app.types import (
     FinishReason,
     GenerateRequest,
@@ -286,7 +285,7 @@ class VLLMBackend(Backend):
         assert self._input is not None
         return ModelInfo(name=self.model_name, max_model_len=self._max_model_len, backend="vllm",
                          generation_defaults=self._input.generation_defaults, tokenizer_class=self._input.tokenizer_class,
-                         chat_template_tools=template_renders_tools(getattr(self._input.hf_tokenizer, "chat_template", None)))
+                         chat_template_tools=self._input.chat_template_tools)
 
     def check_health(self) -> None:
         if self.engine.errored:

@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from serve_app.serving.llm_server import GenerationChunk
-from serve_app.serving.tool_output import ToolCallState, ToolEvent, make_extractor, stream_deltas
+from serve_app.serving.tool_output import ToolCallState, ToolEvent, stream_deltas
+from serve_app.serving.tool_parser import make_extractor
 from serve_app.serving.tools import ToolRequest
 from serve_app.types import TokenLogprob
 

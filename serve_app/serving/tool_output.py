@@ -8,7 +8,7 @@ the same events, so a streamed answer accumulates to exactly the non-streamed on
 
 Extractors: `NamedCallExtractor` (a named `tool_choice`: the output is the arguments object),
 `RequiredCallExtractor` (`required`: one `{"name", "arguments"}` object, or an array of them) and
-`tool_parser.HermesCallExtractor` (`auto`). Arguments and content come without surrounding whitespace
+`tool_parser.HermesCallExtractor` (`auto`); `tool_parser.make_extractor` picks one. Arguments and content come without surrounding whitespace
 (`Trim`). `arguments` under required / named is the JSON text the model generated (constrained to
 the schema, so it parses and validates unless cut by `max_tokens`); under auto it is re-encoded.
 """
@@ -232,19 +232,6 @@ def _json_str(raw: str) -> str | None:
     except ValueError:
         return None
     return value if isinstance(value, str) else None
-
-
-def make_extractor(tools: ToolRequest) -> ToolCallExtractor | None:
-    """A fresh extractor for one choice (None with tool_choice "none": plain text)."""
-    from serve_app.serving.tool_parser import HermesCallExtractor
-
-    if tools.mode == "function":
-        return NamedCallExtractor(tools.function)
-    if tools.mode == "required":
-        return RequiredCallExtractor(tools, tools.parallel)
-    if tools.mode == "auto":
-        return HermesCallExtractor(tools)
-    return None
 
 
 @dataclass

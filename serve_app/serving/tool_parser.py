@@ -22,6 +22,9 @@ from serve_app.serving.tool_output import (
     ArgumentsDelta,
     CallStart,
     ContentDelta,
+    NamedCallExtractor,
+    RequiredCallExtractor,
+    ToolCallExtractor,
     ToolEvent,
     Trim,
     new_call_id,
@@ -118,3 +121,14 @@ class HermesCallExtractor:
             self._inside = False
             return self._block(rest, closed=False)
         return self._content(rest)
+
+
+def make_extractor(tools: ToolRequest) -> ToolCallExtractor | None:
+    """A fresh extractor for one choice (None with tool_choice "none": plain text)."""
+    if tools.mode == "function":
+        return NamedCallExtractor(tools.function)
+    if tools.mode == "required":
+        return RequiredCallExtractor(tools, tools.parallel)
+    if tools.mode == "auto":
+        return HermesCallExtractor(tools)
+    return None

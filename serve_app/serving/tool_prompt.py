@@ -40,20 +40,6 @@ For each function call, return a json object with function name and arguments wi
 </tool_call>"""
 
 
-def template_renders_tools(chat_template: Any) -> bool:
-    """Whether a chat template reads the `tools` variable (False without a template)."""
-    if not isinstance(chat_template, str) or not chat_template:
-        return False
-    from jinja2 import Environment, meta
-    from jinja2.exceptions import TemplateError
-
-    try:  # HF renders templates with the loop-controls extension
-        ast = Environment(extensions=["jinja2.ext.loopcontrols"]).parse(chat_template)
-    except TemplateError:
-        return False
-    return "tools" in meta.find_undeclared_variables(ast)
-
-
 def check_tool_messages(messages: tuple[dict[str, Any], ...]) -> None:
     """Each `tool` message answers a call of the assistant message before it (ValueError naming it)."""
     call_ids: set[str] = set()

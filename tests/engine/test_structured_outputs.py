@@ -115,11 +115,12 @@ def test_compile_failure_aborts_only_that_request(smol, tokenizer):
     from concurrent.futures import Future
 
     from serve_app.engine.grammar_state import GrammarState
+    from serve_app.engine.request import Request
     from serve_app.types import GenerateRequest
 
     engine = smol.engine
     bad = GenerateRequest("bad", prompt=chat(tokenizer, "Hi"), sampling_params=params(StructuredOutput(regex="a+")))
-    request = engine.input_processor.process(bad)
+    request = Request.from_processed(engine.input_processor.process(bad))
     failed: Future = Future()
     failed.set_exception(RuntimeError("[18:00:00] /x.cc:1: no way"))
     request.grammar = GrammarState(failed, request.eos_token_ids)

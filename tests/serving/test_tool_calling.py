@@ -16,8 +16,8 @@ import json
 
 import jsonschema
 import pytest
-from serve_app.engine.input_processor import InputProcessor
 
+from serve_app.input_processor import InputProcessor
 from serve_app.serving.openai_protocol import ChatCompletionRequest
 from serve_app.serving.tool_prompt import render_chat
 from tests.serving.conftest import MODEL_NAME, app_args, openai_client, serve_app

@@ -11,7 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from serve_app.serving.tool_output import ToolCallState, make_extractor, stream_deltas
+from serve_app.serving.tool_output import ToolCallState, stream_deltas
+from serve_app.serving.tool_parser import make_extractor
 from serve_app.serving.tools import FunctionTool, ToolRequest
 
 WEATHER = FunctionTool("get_weather", "Weather in a city", {"type": "object", "properties": {"city": {"type": "string"}},

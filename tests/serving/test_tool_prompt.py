@@ -8,10 +8,10 @@ import json
 import shutil
 
 import pytest
-from serve_app.engine.input_processor import InputProcessor
 
+from serve_app.input_processor import InputProcessor, template_renders_tools
 from serve_app.serving.openai_protocol import ChatCompletionRequest
-from serve_app.serving.tool_prompt import TOOLS_SECTION, render_chat, template_renders_tools
+from serve_app.serving.tool_prompt import TOOLS_SECTION, render_chat
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}},

@@ -10,7 +10,8 @@ from typing import Any
 import jsonschema
 
 from serve_app.serving.openai_protocol import ChatCompletionRequest
-from serve_app.serving.tool_output import ToolCallState, make_extractor
+from serve_app.serving.tool_output import ToolCallState
+from serve_app.serving.tool_parser import make_extractor
 from serve_app.serving.tool_prompt import render_chat
 from serve_app.serving.tools import ToolRequest
 from serve_app.types import GenerateRequest
