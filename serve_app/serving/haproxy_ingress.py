@@ -108,7 +108,7 @@ class IngressLLMServer(LLMServer.func_or_class):
     async def __init__(self, config: ServeConfig) -> None:
         keyring = await load_keyring(config, exposed_host=ALL_INTERFACES)  # before the engine loads
         await super().__init__(config)
-        processor = make_input_processor(config, self._info.max_model_len)
+        processor = make_input_processor(config, self._info)
         self.api = OpenAIAPI(InProcessHandle(self), config, self._info, processor, None, keyring)
         self._api_metrics = APIMetrics.for_ray(self._info.name)
 
@@ -128,7 +128,7 @@ class PrefixIngressRouter:
         self._handle = server
         self._handle._init()  # before any call: a call initializes it with defaults
         info = await server.model_info.remote()  # also: a replica is up before HAProxy routes here
-        self._processor = make_input_processor(config, info.max_model_len)
+        self._processor = make_input_processor(config, info)
         logger.info("ingress request router ready: replicas of %s picked by %s", server.deployment_id,
                     config.request_router_class or config.router)
 

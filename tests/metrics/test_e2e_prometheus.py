@@ -81,7 +81,9 @@ def prometheus(served, tmp_path_factory):
 @pytest.fixture(scope="module")
 def load(served, prometheus):
     """A short bounded load: 12 completions (ignore_eos, 12 tokens each), 6 at a time; the prompts
-    share a long prefix so the prefix cache gets hits."""
+    share a long prefix so the prefix cache gets hits. Each wave adds one chat constrained by a JSON
+    schema of its own (the grammar metrics' data: two compiles; the same chat, so the prefix-aware
+    router sends both to one replica and its histograms grow between scrapes)."""
     shared = "You are a concise assistant. Answer in one short sentence, without preamble or lists. " * 3
     topics = ["the sea", "the moon", "a cat", "Paris", "rain", "coffee"]
 
@@ -107,12 +109,26 @@ def load(served, prometheus):
         assert r.status_code == 200, r.text
         return r.json()
 
+    def constrained(wave: int) -> dict:
+        schema = {"type": "object", "properties": {"animal": {"enum": [f"cat{wave}", f"dog{wave}"]}},
+                  "required": ["animal"], "additionalProperties": False}
+        body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Name an animal as JSON."}],
+                "max_tokens": 40, "temperature": 0,
+                "response_format": {"type": "json_schema", "json_schema": {"name": f"pet{wave}", "schema": schema}}}
+        r = httpx.post(f"{served['base_url']}/v1/chat/completions", json=body, timeout=300)
+        assert r.status_code == 200, r.text
+        reply = r.json()
+        assert json.loads(reply["choices"][0]["message"]["content"])["animal"] in (f"cat{wave}", f"dog{wave}")
+        return reply
+
     # two waves a few scrapes apart: a histogram series is born with its first report, so traffic that
     # all lands within one scrape interval (a fast machine) would give rate() no increase to see
-    replies = []
+    replies, structured = [], []
     for wave in (range(NUM_REQUESTS // 2), range(NUM_REQUESTS // 2, NUM_REQUESTS)):
         with ThreadPoolExecutor(CONCURRENCY) as pool:
+            pending = pool.submit(constrained, wave.start)
             replies += list(pool.map(one, wave))
+            structured.append(pending.result())
         if wave.start == 0:
             time.sleep(5)
     end = time.time()
@@ -120,10 +136,10 @@ def load(served, prometheus):
     assert all(r["usage"]["completion_tokens"] == MAX_TOKENS for r in replies)
     assert all(r["choices"][0]["finish_reason"] == "length" for r in replies)
     # Ray reports every second, Prometheus scrapes every second: wait until the counts are complete
-    wait_for(lambda: _scalar(prometheus, 'sum(ray_llm_request_success_total{finish_reason="length"})') == NUM_REQUESTS,
+    wait_for(lambda: _scalar(prometheus, "sum(ray_llm_request_success_total)") == NUM_REQUESTS + len(structured),
              90, message="all requests counted in Prometheus")
     time.sleep(4)  # and a couple after it
-    return {"start": start, "end": time.time()}
+    return {"start": start, "end": time.time(), "structured": structured}
 
 
 def _scalar(api: PrometheusAPI, expr: str) -> float | None:
@@ -143,10 +159,16 @@ def test_scrape_targets_are_rays_endpoints_on_loopback(prometheus, load):
 
 
 def test_known_traffic_reaches_prometheus_exactly(prometheus, load):
-    assert _scalar(prometheus, 'sum(ray_llm_request_success_total{finish_reason="length"})') == NUM_REQUESTS
-    assert _scalar(prometheus, "sum(ray_llm_generation_tokens_total)") == NUM_REQUESTS * MAX_TOKENS
-    assert _scalar(prometheus, "sum(ray_llm_time_to_first_token_seconds_count)") == NUM_REQUESTS
-    assert _scalar(prometheus, "sum(ray_llm_e2e_request_latency_seconds_count)") == NUM_REQUESTS
+    structured = load["structured"]
+    total = NUM_REQUESTS + len(structured)
+    cut = sum(r["choices"][0]["finish_reason"] == "length" for r in structured)
+    assert _scalar(prometheus, 'sum(ray_llm_request_success_total{finish_reason="length"})') == NUM_REQUESTS + cut
+    assert _scalar(prometheus, "sum(ray_llm_generation_tokens_total)") == (
+        NUM_REQUESTS * MAX_TOKENS + sum(r["usage"]["completion_tokens"] for r in structured))
+    assert _scalar(prometheus, "sum(ray_llm_time_to_first_token_seconds_count)") == total
+    assert _scalar(prometheus, "sum(ray_llm_e2e_request_latency_seconds_count)") == total
+    assert _scalar(prometheus, "sum(ray_llm_grammar_compile_seconds_count)") == len(structured)  # two schemas
+    assert _scalar(prometheus, "sum(ray_llm_grammar_mask_seconds_count)") > 0
     assert _scalar(prometheus, "sum(ray_llm_prefix_cache_hits_total)") > 0
     # every engine metric is exported by every replica, with Serve's labels and ours
     exported = set(prometheus.metric_names())
