@@ -21,16 +21,15 @@ only this router's requests, so with several routers (one per ingress replica) t
 term, which counts everyone's, is the floor.
 
 A request's blocks are those it will hold at its end (`request_size.estimate_request_blocks`). "Since
-that sample" means routed after
-`sampled_at − sample_lag_s` (`sampled_at` is the replica's wall clock when it took the sample; the
-lag covers transit and the time until the engine takes the request in, up to one engine step: on a
-busy CPU that is most of a second, and a request missed by both the sample and the ledger is what
-lets a burst herd). Requests the router sent earlier are in the sample: in its used blocks once
-admitted, or among its `num_waiting` requests. The engine queues first-come first-served, so the
-waiting ones are taken to be the newest of this router's requests there (counted with their own
-estimated size, as a long prompt waiting for room is exactly what must not attract more); waiting
-requests beyond those (other routers', preempted ones) count as the mean routed request. Finished
-requests leave the ledger.
+that sample" means routed after `sampled_at − sample_lag_s` (`sampled_at` is the replica's wall clock
+when it took the sample; the lag covers transit and the time until the engine takes the request in,
+up to one engine step: on a busy CPU that is most of a second, and a request missed by both the
+sample and the ledger (`routing_ledger`) is what lets a burst herd). Requests the router sent earlier
+are in the sample: in its used blocks once admitted, or among its `num_waiting` requests. The engine
+queues first-come first-served, so the waiting ones are taken to be the newest of this router's
+requests there (counted with their own estimated size, as a long prompt waiting for room is exactly
+what must not attract more); waiting requests beyond those (other routers', preempted ones) count as
+the mean routed request. Finished requests leave the ledger.
 
 Estimated prefill backlog of a replica (tokens it must read before a new request's first token):
 
