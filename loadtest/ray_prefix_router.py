@@ -19,7 +19,7 @@ from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router i
 )
 from ray.serve.request_router import PendingRequest
 
-from serve_app.serving.routing_policy import find_request
+from serve_app.serving.request_size import find_request
 
 
 class RayPrefixCacheAffinityRouter(PrefixCacheAffinityRouter):

@@ -11,13 +11,14 @@ then each prompt chunk's tokens. Every layer writes the new K/V through `slot_ma
 
 On CPU the decode part runs a C++ kernel (`cpu_kernels.paged_decode`) that reads the blocks in place;
 elsewhere (and as the reference) it gathers the blocks and calls `scaled_dot_product_attention`.
-With the kernel, the model runner also takes most prompt chunks off the prompt path below
-(`model_runner.kernel_rank`; only long fresh chunks stay there): in bf16 where the build has
+With the kernel, most prompt chunks also leave the prompt path below (`attention_metadata.kernel_rank`
+orders a step's rows for it; only long fresh chunks stay there): in bf16 where the build has
 AVX512-BF16, the C++ prompt-chunk kernel (`cpu_kernels.paged_prefill`, `KernelChunks`) attends them
 through their block tables, 16 query tokens at a time; otherwise the decode kernel takes them as rows,
 one per token, each with its request's block table and its own causal context.
-A step may instead carry a whole-step implementation (`impl`: the Triton kernels or FlashInfer, on
-CUDA) that reads every sequence, decode or prompt chunk, in place through the step's block tables.
+That is a `PagedAttentionMetadata`. A step may instead be a `WholeStepAttentionMetadata`: one
+implementation (the Triton kernels or FlashInfer, on CUDA) that reads every sequence, decode or prompt
+chunk, in place through the step's block tables.
 """
 
 from __future__ import annotations
@@ -31,12 +32,16 @@ import torch.nn.functional as F
 
 
 @dataclass(frozen=True)
-class PrefillChunk:
-    token_start: int  # offset in the flattened batch
-    num_tokens: int
-    start_pos: int  # position of the first token in its request
-    block_table: torch.Tensor | None  # [num_blocks] (None when start_pos == 0: fresh K/V suffice)
-    mask: torch.Tensor | None  # [num_tokens, context_len] bool, True = attend (None when start_pos == 0)
+class DecodeRows:
+    """The first `num_rows` rows of the step, one query each over its own context, read through its
+    request's block table: decodes, each token of a verification, and the prompt chunks of
+    `kernel_rank` 1 when no prompt-chunk kernel takes them (one row per token)."""
+
+    num_rows: int
+    block_tables: torch.Tensor  # [num_rows, max_blocks] long (padded with 0)
+    context_lens: torch.Tensor  # [num_rows] int
+    kernel: Callable | None  # the C++ decode kernel (CPU), or None: the reference path (gather, SDPA under `mask`)
+    mask: torch.Tensor | None  # [num_rows, 1, 1, max_blocks * block_size] bool, True = attend (reference path only)
 
 
 @dataclass(frozen=True)
@@ -52,21 +57,44 @@ class KernelChunks:
 
 
 @dataclass(frozen=True)
-class AttentionMetadata:
-    """Built once per step by the model runner, shared by every layer."""
+class PrefillChunk:
+    """A prompt chunk torch's SDPA attends (after every kernel row), causally over its context."""
+
+    token_start: int  # offset in the flattened batch
+    num_tokens: int
+    start_pos: int  # position of the first token in its request
+    block_table: torch.Tensor | None  # [num_blocks] (None when start_pos == 0: fresh K/V suffice)
+    mask: torch.Tensor | None  # [num_tokens, context_len] bool, True = attend (None when start_pos == 0)
+
+
+@dataclass(frozen=True)
+class PagedAttentionMetadata:
+    """A step attended layer by layer in this module: the K/V written through `slot_mapping`, then
+    the decode rows, the kernel's prompt chunks and the SDPA prompt chunks, in that row order (each
+    part absent when the step has none). Built once per step, shared by every layer."""
 
     slot_mapping: torch.Tensor  # [num_tokens] long
-    num_decodes: int  # rows attended by the decode kernel / its reference: decodes, verifications, prompt rows (kernel_rank 1) without kernel_chunks
-    decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] long (padded with 0)
-    decode_context_lens: torch.Tensor | None  # [num_decodes] int
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool (reference path)
+    decode_rows: DecodeRows | None
+    kernel_chunks: KernelChunks | None
     prefills: tuple[PrefillChunk, ...]
-    decode_kernel: Callable | None = None  # C++ kernel (CPU) or None for the reference path
-    # impl(q, k, v, k_cache, v_cache, step, scale) -> [T, H, D] replaces all of the above (a varlen
-    # backend over `step`, an input_batch.StepInputs)
-    impl: Callable | None = None
-    step: Any = None
-    kernel_chunks: KernelChunks | None = None  # the prompt chunks after the decode rows, for the C++ prompt-chunk kernel
+
+    @classmethod
+    def fresh_prompt(cls, num_tokens: int, device: torch.device | str = "cpu") -> PagedAttentionMetadata:
+        """One prompt of `num_tokens` from position 0 in slots 0 .. num_tokens - 1 (SDPA, causal)."""
+        return cls(torch.arange(num_tokens, device=device), None, None, (PrefillChunk(0, num_tokens, 0, None, None),))
+
+
+@dataclass(frozen=True)
+class WholeStepAttentionMetadata:
+    """A step attended by one implementation over all its sequences (the Triton kernels or
+    FlashInfer): `impl(q, k, v, k_cache, v_cache, step, scale) -> [T, H, D]` writes the K/V itself and
+    reads every sequence, decode or prompt chunk, in place through `step` (an input_batch.StepInputs)."""
+
+    impl: Callable
+    step: Any
+
+
+AttentionMetadata = PagedAttentionMetadata | WholeStepAttentionMetadata
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -94,7 +122,7 @@ def paged_attention(
     kv_written: bool = False,
 ) -> torch.Tensor:
     """Returns [T, H, D]. `kv_written`: k and v are in their cache slots already (a fused op put them there)."""
-    if meta.impl is not None:
+    if isinstance(meta, WholeStepAttentionMetadata):
         return meta.impl(q, k, v, k_cache, v_cache, meta.step, scale)
     if not kv_written:
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
@@ -102,15 +130,17 @@ def paged_attention(
     num_kv_heads = k.shape[1]
     group = num_heads // num_kv_heads
     out = torch.empty_like(q)
-    b = meta.num_decodes
-    if b:
-        if meta.decode_kernel is not None:
-            meta.decode_kernel(out[:b], q[:b], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
+    b = 0
+    rows = meta.decode_rows
+    if rows is not None:
+        b = rows.num_rows
+        if rows.kernel is not None:
+            rows.kernel(out[:b], q[:b], k_cache, v_cache, rows.block_tables, rows.context_lens, scale)
         else:
             qd = q[:b].view(b, num_kv_heads, group, head_dim)  # the G query heads of a KV head act as G queries
-            kd = _gather(k_cache, meta.decode_block_tables)
-            vd = _gather(v_cache, meta.decode_block_tables)
-            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale)
+            kd = _gather(k_cache, rows.block_tables)
+            vd = _gather(v_cache, rows.block_tables)
+            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=rows.mask, scale=scale)
             out[:b] = od.reshape(b, num_heads, head_dim)
     chunks = meta.kernel_chunks
     if chunks is not None:

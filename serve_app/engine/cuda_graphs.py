@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from serve_app.engine.attention import AttentionMetadata
+from serve_app.engine.attention import WholeStepAttentionMetadata
 from serve_app.engine.attention_triton import TritonAttention
 from serve_app.engine.input_batch import StepInputs
 
@@ -57,9 +57,7 @@ class DecodeGraphs:
             num_seqs=b, num_tokens=b, max_query_len=1, max_seq_len=0,
             host_seq_lens=None, host_query_start_loc=None, host_block_tables=None,
         )
-        meta = AttentionMetadata(slot_mapping=step.slot_mapping, num_decodes=b, decode_block_tables=None,
-                                 decode_context_lens=None, decode_mask=None, prefills=(), impl=self.attention, step=step)
-        hidden = self.model(step.input_ids, step.positions, self.kv_caches, meta)
+        hidden = self.model(step.input_ids, step.positions, self.kv_caches, WholeStepAttentionMetadata(self.attention, step))
         return self.model.compute_logits(hidden)  # [b, vocab] fp32
 
     @torch.inference_mode()

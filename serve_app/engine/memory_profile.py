@@ -13,7 +13,7 @@ import logging
 
 import torch
 
-from serve_app.engine.attention import AttentionMetadata, PrefillChunk
+from serve_app.engine.attention import PagedAttentionMetadata
 
 logger = logging.getLogger(__name__)
 
@@ -36,9 +36,7 @@ def kv_cache_budget_bytes(model, utilization: float, num_tokens: int, num_logit_
     scratch_cache = sum(k.numel() * k.element_size() * 2 for k, _ in caches)
     ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
     positions = torch.arange(num_tokens, device=device) % args.max_position_embeddings
-    meta = AttentionMetadata(slot_mapping=torch.arange(num_tokens, device=device), num_decodes=0, decode_block_tables=None,
-                             decode_context_lens=None, decode_mask=None, prefills=(PrefillChunk(0, num_tokens, 0, None, None),))
-    hidden = model(ids, positions, caches, meta)
+    hidden = model(ids, positions, caches, PagedAttentionMetadata.fresh_prompt(num_tokens, device))
     model.compute_logits(hidden[:num_logit_rows])
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - scratch_cache

@@ -1,11 +1,17 @@
 """Model runner: turns a `SchedulerOutput` into one forward pass and a sampled token per finished chunk.
 
-It owns the weights and the KV cache tensors; it never decides who runs. Per step it builds the
-flattened batch (decode tokens first, then prompt chunks), the slot mapping and block tables, runs
-the model, computes logits only for the rows that sample, and samples. A request verified with
-proposed tokens (speculative decoding) samples each of its last `1 + k` rows, and keeps the samples
-up to the first one that differs from its proposal (`spec_decode.acceptance.accept`), or, for
-proposals sampled from a draft model's distribution, by rejection sampling (`spec_decode.rejection`).
+It owns the weights, the KV cache tensors and the execution paths (projections and attention, chosen
+and self-checked when it starts); it never decides who runs. A step (`execute_model`):
+1. orders the requests for the attention kernels (`attention_metadata.kernel_rank`: decode rows first,
+   then prompt chunks) and builds the flattened batch: token ids, positions, slot mapping and block
+   tables (`input_batch.InputBatch`);
+2. describes the step's attention for the runner's paths: `attention_metadata.paged_metadata` (the CPU
+   kernels, the reference path), a whole-step implementation (Triton, FlashInfer), or a decode CUDA
+   graph's replay;
+3. runs the model, computes logits only for the rows that sample (`step_sampler.sampled_rows`), masks
+   constrained requests' rows with their grammar bitmasks (`logits_masks`), and hands the rest to
+   `step_sampler.sample_step` (batched sampling with a per-request fallback, verification of proposed
+   tokens, logprobs).
 """
 
 from __future__ import annotations
@@ -20,23 +26,20 @@ import torch
 
 from serve_app.config import CacheConfig, ModelConfig, SchedulerConfig
 from serve_app.engine import cpu_kernels
-from serve_app.engine.attention import AttentionMetadata, KernelChunks, PrefillChunk
+from serve_app.engine.attention import WholeStepAttentionMetadata
 from serve_app.engine.attention_backends import make_varlen_attention, resolve_backend
+from serve_app.engine.attention_metadata import AttentionKernels, paged_metadata
 from serve_app.engine.execution_paths import ExecutionPaths, limit_onednn_isa, resolve_linear
 from serve_app.engine.host_memory import zeroed_cpu_tensors
 from serve_app.engine.input_batch import InputBatch
-from serve_app.engine.logits_masks import MaskFiller, apply_logit_bias
-from serve_app.engine.logprobs import sampled_logprobs
+from serve_app.engine.logits_masks import MaskFiller
 from serve_app.engine.memory_profile import kv_cache_budget_bytes
 from serve_app.engine.models.llama import LlamaArgs
 from serve_app.engine.models.loader import load_model
 from serve_app.engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from serve_app.engine.penalties import process_logits
-from serve_app.engine.sampler import sample, sampling_probs
 from serve_app.engine.self_check import check_prompt_len, run_check, verdict
-from serve_app.engine.spec_decode.acceptance import accept
-from serve_app.engine.spec_decode.rejection import rejection_sample
-from serve_app.faults import FaultHook, Stage
+from serve_app.engine.step_sampler import SamplingContext, drop_requests, sample_step, sampled_rows, take_rows
+from serve_app.faults import FaultHook
 
 logger = logging.getLogger(__name__)
 
@@ -45,36 +48,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 def kv_cache_bytes_per_block(args: LlamaArgs, block_size: int, dtype: torch.dtype) -> int:
     return 2 * args.num_layers * block_size * args.num_kv_heads * args.head_dim * torch.empty((), dtype=dtype).element_size()
-
-
-# Without the prompt-chunk kernel (`cpu_kernels.paged_prefill`), a fresh prompt chunk up to this many
-# tokens is attended by the CPU decode kernel, one row per token over its causal context (its K/V are
-# in the cache by then), instead of torch's SDPA: measured in bf16 at SmolLM2's shapes, 16 prompts x
-# 128 tokens 2.7x faster, 4 x 512 1.9x, 2 x 1,024 1.3x, one of 2,048 0.92x. A chunk that continues a
-# request (start_pos > 0) always goes to a kernel: the torch path would gather its whole context and
-# run a full masked attention. With the prompt-chunk kernel every prompt chunk goes to it (one of
-# 2,048 fresh tokens: attention 3.9-4.7x faster than SDPA, the step 2.1x; docs/engine-kernels.md).
-KERNEL_MAX_FRESH_CHUNK = 1024
-
-
-def is_decode(s: ScheduledRequest) -> bool:
-    """Rows at output positions: a decode, a verification with proposed tokens, a recomputed run of
-    generated tokens (one decode row each). A chunk of prompt tokens is never one, even of a single
-    token: each position's K/V always comes from the same kernel, whatever the chunking."""
-    return not s.reads_prompt or bool(s.spec_token_ids)
-
-
-def kernel_rank(s: ScheduledRequest, kernel: bool = True, chunk_kernel: bool = False, invariant: bool = False) -> int:
-    """A step's requests in row order: decodes (0), then the prompt chunks a kernel attends (1, only
-    with a decode `kernel`: all of them with the prompt-chunk kernel or when batch `invariant`, else
-    those within KERNEL_MAX_FRESH_CHUNK or continuing a request), then those torch's SDPA does (2);
-    each group a contiguous run of rows. Ranks 0 and 1 are the rows `prepare` hands to the
-    block-table path."""
-    if is_decode(s):
-        return 0
-    if not kernel:
-        return 2
-    return 1 if chunk_kernel or invariant or s.start_pos > 0 or s.num_tokens <= KERNEL_MAX_FRESH_CHUNK else 2
 
 
 class ModelRunner:
@@ -195,86 +168,26 @@ class ModelRunner:
             logger.warning("self-check: projections %s with attention %s failed (%s); trying the next paths", lin, att, problem)
         raise RuntimeError(f"self-check: even the reference path failed: {'; '.join(failures)}")
 
-    def _tensor(self, data: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
-        return torch.tensor(data, dtype=dtype, device=self.device)
-
-    def prepare(self, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """Inputs for the decode-kernel / reference paths. `scheduled` must be in `_order`. A
-        verification (a decode with proposed tokens), and with the kernel a prompt chunk, runs as one
-        kernel row per token, each over the context up to its own position: its K/V are all written
-        before attention, so that is exactly causal attention. With the prompt-chunk kernel, the
-        chunks of rank 1 go to it instead (`KernelChunks`), whole."""
-        step = self.input_batch.build(scheduled)
-        end = next((i for i, s in enumerate(scheduled) if self._rank(s) == 2), len(scheduled))
-        b = end  # requests attended as decode-kernel rows
-        if self.prefill_kernel is not None:
-            b = next((i for i, s in enumerate(scheduled[:end]) if self._rank(s) == 1), end)
-        num_decode_rows = sum(s.num_tokens for s in scheduled[:b])
-        block_tables = context_lens = mask = None
-        if b:
-            max_blocks = max(len(s.block_table) for s in scheduled[:b])
-            if num_decode_rows == b:  # plain decodes: the persistent inputs as they are
-                block_tables = step.block_tables[:b, :max_blocks].to(torch.long, memory_format=torch.contiguous_format)
-                context_lens = step.seq_lens[:b]
-            else:  # verifications, prompt chunks: one row per token, each with its request's table and its own context
-                rows_per_seq = self._tensor([s.num_tokens for s in scheduled[:b]])
-                block_tables = step.block_tables[:b, :max_blocks].to(torch.long).repeat_interleave(rows_per_seq, dim=0)
-                context_lens = (step.positions[:num_decode_rows] + 1).to(step.seq_lens.dtype)
-            if self.decode_kernel is None:
-                keys = torch.arange(max_blocks * self.block_size, device=self.device)
-                mask = (keys.unsqueeze(0) < context_lens.unsqueeze(1)).view(num_decode_rows, 1, 1, -1)
-        chunks = None
-        if b < end:
-            qsl = step.query_start_loc[b : end + 1]
-            chunks = KernelChunks(
-                num_rows=sum(s.num_tokens for s in scheduled[b:end]),
-                block_tables=step.block_tables[b:end, : max(len(s.block_table) for s in scheduled[b:end])].to(
-                    torch.long, memory_format=torch.contiguous_format),
-                query_start=(qsl - qsl[0]).to(torch.int32),
-                start_pos=self._tensor([s.start_pos for s in scheduled[b:end]], torch.int32),
-                kernel=self.prefill_kernel,
-            )
-        prefills = []
-        starts = step.host_query_start_loc
-        for i in range(end, len(scheduled)):
-            s = scheduled[i]
-            table = chunk_mask = None
-            if s.start_pos > 0:
-                table = step.block_tables[i, : len(s.block_table)].long()
-                q_pos = torch.arange(s.start_pos, s.context_len, device=self.device)
-                chunk_mask = torch.arange(s.context_len, device=self.device).unsqueeze(0) <= q_pos.unsqueeze(1)
-            prefills.append(PrefillChunk(int(starts[i]), s.num_tokens, s.start_pos, table, chunk_mask))
-        meta = AttentionMetadata(
-            slot_mapping=step.slot_mapping,
-            num_decodes=num_decode_rows,
-            decode_block_tables=block_tables,
-            decode_context_lens=context_lens,
-            decode_mask=mask,
-            prefills=tuple(prefills),
-            decode_kernel=self.decode_kernel,
-            kernel_chunks=chunks,
-        )
-        return step.input_ids, step.positions, meta
-
-    def _forward(self, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """(hidden [T, hidden], None) or, for a step that replayed a decode CUDA graph, (None, logits [T, vocab])."""
-        if self.varlen is None:  # (decode graphs come only with a varlen backend)
-            input_ids, positions, meta = self.prepare(scheduled)
-            return self.model(input_ids, positions, self.kv_caches, meta), None
-        step = self.input_batch.build(scheduled)
-        if self.decode_graphs is not None and self.decode_graphs.can_run(step):
-            return None, self.decode_graphs.run(step)
-        self.varlen.plan(step)
-        meta = AttentionMetadata(slot_mapping=step.slot_mapping, num_decodes=0, decode_block_tables=None, decode_context_lens=None,
-                                 decode_mask=None, prefills=(), impl=self.varlen, step=step)
-        return self.model(step.input_ids, step.positions, self.kv_caches, meta), None
-
-    def _rank(self, s: ScheduledRequest) -> int:
-        return kernel_rank(s, self.decode_kernel is not None, self.prefill_kernel is not None, self.batch_invariant)
+    def _kernels(self) -> AttentionKernels:
+        """The CPU attention kernels of this runner's paths now (`_use_paths` sets them)."""
+        return AttentionKernels(self.decode_kernel, self.prefill_kernel, self.batch_invariant)
 
     def _order(self, scheduled: Sequence[ScheduledRequest]) -> list[ScheduledRequest]:
-        """A step's requests in row order (`kernel_rank`; stable)."""
-        return sorted(scheduled, key=self._rank)
+        """A step's requests in row order (`attention_metadata.kernel_rank`; stable)."""
+        return self._kernels().order(scheduled)
+
+    def _forward(self, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(hidden [T, hidden], None) or, for a step that replayed a decode CUDA graph, (None, logits [T, vocab]).
+        `scheduled` must be in `_order`."""
+        step = self.input_batch.build(scheduled)
+        if self.varlen is None:  # (decode graphs come only with a varlen backend)
+            meta = paged_metadata(step, scheduled, self._kernels(), self.block_size)
+        elif self.decode_graphs is not None and self.decode_graphs.can_run(step):
+            return None, self.decode_graphs.run(step)
+        else:
+            self.varlen.plan(step)
+            meta = WholeStepAttentionMetadata(self.varlen, step)
+        return self.model(step.input_ids, step.positions, self.kv_caches, meta), None
 
     @torch.inference_mode()
     def sampling_logits(self, scheduled: Sequence[ScheduledRequest]) -> tuple[list[ScheduledRequest], torch.Tensor]:
@@ -282,20 +195,16 @@ class ModelRunner:
         their sampled positions ([rows, V]: 1 + len(spec_token_ids) consecutive rows per request)."""
         scheduled = self._order(scheduled)
         hidden, graph_logits = self._forward(scheduled)
-        rows, samplers = [], []
-        end = 0
-        for s in scheduled:
-            end += s.num_tokens
-            if s.sample:
-                num_rows = 1 + len(s.spec_token_ids)  # the last token and each proposed one predict a token
-                rows.extend(range(end - num_rows, end))
-                samplers.append(s)
+        samplers, rows = sampled_rows(scheduled)
         if not samplers:
             return [], torch.empty(0)
-        computed = hidden if hidden is not None else graph_logits
-        # rows are increasing: as many as computed means all of them (no index tensor to send over)
-        picked = computed if len(rows) == computed.shape[0] else computed[self._tensor(rows)]
-        return samplers, picked if hidden is None else self.model.compute_logits(picked)
+        if hidden is None:
+            return samplers, take_rows(graph_logits, rows)
+        return samplers, self.model.compute_logits(take_rows(hidden, rows))
+
+    def _sampling(self) -> SamplingContext:
+        """Built per step: the argmax follows the paths (a self-check fallback, a profiler's wrapper)."""
+        return SamplingContext(self.generator, self.argmax, self.fault_hook)
 
     fault_hook: FaultHook | None = None  # tests only (serve_app/faults.py), installed by LLMEngine
 
@@ -311,84 +220,8 @@ class ModelRunner:
             # logprobs are of the masked distribution (as vLLM's): the grammar's forbidden tokens at -inf
             failed = masks.apply(logits)
             if failed:
-                samplers, logits = self._without(samplers, logits, failed)
-        out = self._sample_all(samplers, logits) if samplers else ModelRunnerOutput((), ())
+                samplers, logits = drop_requests(samplers, logits, failed)
+        out = sample_step(samplers, logits, self._sampling()) if samplers else ModelRunnerOutput((), ())
         if masks is not None:
             out = replace(out, mask_s=masks.seconds, failed=out.failed + tuple(failed.items()))
         return out
-
-    def _sample_all(self, samplers: list[ScheduledRequest], logits: torch.Tensor) -> ModelRunnerOutput:
-        try:
-            return self._sample(samplers, logits)
-        except Exception:  # noqa: BLE001 - find whose sampling fails: only that request is aborted
-            logger.warning("batched sampling failed; sampling the step's %d requests one by one", len(samplers), exc_info=True)
-            return self._sample_each(samplers, logits)
-
-    def _without(self, samplers: list[ScheduledRequest], logits: torch.Tensor, dropped: dict[str, str]):
-        """The samplers not in `dropped`, with their logits rows."""
-        keep, rows, at = [], [], 0
-        for s in samplers:
-            n = 1 + len(s.spec_token_ids)
-            if s.request_id not in dropped:
-                keep.append(s)
-                rows.extend(range(at, at + n))
-            at += n
-        return keep, logits[self._tensor(rows)]
-
-    def _sample_each(self, samplers: list[ScheduledRequest], logits: torch.Tensor) -> ModelRunnerOutput:
-        """`_sample` one request at a time; the requests whose sampling raises are reported in `failed`."""
-        outs: list[tuple[ScheduledRequest, ModelRunnerOutput]] = []
-        failed: list[tuple[str, str]] = []
-        at = 0
-        for s in samplers:
-            n = 1 + len(s.spec_token_ids)
-            try:
-                outs.append((s, self._sample([s], logits[at : at + n])))
-            except Exception as exc:  # noqa: BLE001 - this request's own fault
-                logger.exception("sampling failed for request %s; it is aborted", s.request_id)
-                failed.append((s.request_id, f"{type(exc).__name__}: {exc}"))
-            at += n
-        any_logprobs = any(o.logprobs for _, o in outs)
-        any_extra = any(o.extra_token_ids for _, o in outs)
-        return ModelRunnerOutput(
-            tuple(o.request_ids[0] for _, o in outs), tuple(o.sampled_token_ids[0] for _, o in outs),
-            tuple(o.logprobs[0] if o.logprobs else None for _, o in outs) if any_logprobs else (),
-            extra_token_ids=tuple(o.extra_token_ids[0] if o.extra_token_ids else () for _, o in outs) if any_extra else (),
-            failed=tuple(failed))
-
-    def _sample(self, samplers: list[ScheduledRequest], logits: torch.Tensor) -> ModelRunnerOutput:
-        """Sample (and verify proposals for) `samplers` from their logits rows."""
-        if self.fault_hook is not None:
-            for s in samplers:
-                self.fault_hook.check(Stage.SAMPLE, s.request_id)
-        # one row per sampled position; a verified request's rows carry no penalties, min_tokens or
-        # logprobs (`SamplingParams.can_speculate`), so the per-request inputs repeat unchanged
-        spans = [1 + len(s.spec_token_ids) for s in samplers]
-
-        def per_row(values: list) -> list:
-            return [v for v, n in zip(values, spans, strict=True) for _ in range(n)]
-
-        params = per_row([s.sampling_params for s in samplers])
-        keys = [key for s in samplers for key in (s.generator_key, *s.spec_generator_keys)]
-        processed = process_logits(logits, params, per_row([s.prompt_token_ids for s in samplers]),
-                                   per_row([s.output_token_ids for s in samplers]), per_row([s.blocked_token_ids for s in samplers]))
-        processed = apply_logit_bias(processed, params)
-        token_ids = sample(processed, params, keys, self.generator, self.argmax)
-        row_logprobs = ()
-        if any(p.logprobs is not None for p in params):
-            row_logprobs = tuple(sampled_logprobs(logits, token_ids, [p.logprobs for p in params]))
-        request_ids = tuple(s.request_id for s in samplers)
-        if len(token_ids) == len(samplers):
-            return ModelRunnerOutput(request_ids, tuple(token_ids), row_logprobs)
-        accepted, logprobs, at = [], [], 0
-        for s, n in zip(samplers, spans, strict=True):
-            if s.spec_draft_probs is None:
-                accepted.append(accept(token_ids[at : at + n], s.spec_token_ids))
-            else:
-                target = sampling_probs(processed[at : at + n], params[at : at + n])
-                accepted.append(rejection_sample(target, s.spec_draft_probs.to(target.device, target.dtype), s.spec_token_ids,
-                                                 s.spec_accept_keys, keys[at : at + n], self.generator))
-            logprobs.append(row_logprobs[at] if row_logprobs else None)
-            at += n
-        return ModelRunnerOutput(request_ids, tuple(a[0] for a in accepted), tuple(logprobs) if row_logprobs else (),
-                                 extra_token_ids=tuple(a[1:] for a in accepted))

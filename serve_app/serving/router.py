@@ -7,8 +7,9 @@
   looked emptiest, or, if larger, its own requests there at their final size. The prompt tokens
   still to be read there (sampled + sent since) weigh in too: a request queued behind a long prefill
   waits for it. Ties go to the shorter waiting queue; replicas without a fresh sample make the router
-  fall back to least in-flight. The policy itself (settings, estimates, ledger, ranking) lives in
-  `routing_policy`; options come from `request_router_kwargs` (`KVRouterSettings`).
+  fall back to least in-flight. The policy (settings, estimates, ranking) lives in `routing_policy`,
+  the bookkeeping it reads in `replica_sample`, `routing_ledger` and `request_size`; options come
+  from `request_router_kwargs` (`KVRouterSettings`).
 - `RoundRobinRouter`: each request to the next replica in turn (a baseline for benchmarks).
 - Serve's default power-of-two-choices router stays available (`ServeConfig.router: pow2`).
 
@@ -38,16 +39,14 @@ from ray.serve.request_router import (
     RunningReplica,
 )
 
+from serve_app.serving.replica_sample import ReplicaSample
+from serve_app.serving.request_size import estimate_prompt_tokens, estimate_request_blocks, find_request
+from serve_app.serving.routing_ledger import InFlightLedger
 from serve_app.serving.routing_policy import (
-    InFlightLedger,
     KVRouterSettings,
-    ReplicaSample,
     ReplicaView,
     estimate_occupancy,
-    estimate_prompt_tokens,
-    estimate_request_blocks,
     estimate_score,
-    find_request,
     rank_replicas,
     waiting_demand,
 )

@@ -21,7 +21,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
                 "without a GPU)", allow_module_level=True)
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the interpreter's own numpy use
 
-from serve_app.engine.attention import AttentionMetadata  # noqa: E402
+from serve_app.engine.attention import WholeStepAttentionMetadata  # noqa: E402
 from serve_app.engine.attention_triton import TritonAttention  # noqa: E402
 from serve_app.engine.cuda_graphs import DecodeGraphs  # noqa: E402
 from serve_app.engine.input_batch import InputBatch  # noqa: E402
@@ -69,9 +69,7 @@ def decodes(contexts: list[int]) -> list[ScheduledRequest]:
 
 
 def eager_logits(model, kv, step) -> torch.Tensor:
-    meta = AttentionMetadata(slot_mapping=step.slot_mapping, num_decodes=0, decode_block_tables=None, decode_context_lens=None,
-                             decode_mask=None, prefills=(), impl=TritonAttention(), step=step)
-    return model.compute_logits(model(step.input_ids, step.positions, kv, meta))
+    return model.compute_logits(model(step.input_ids, step.positions, kv, WholeStepAttentionMetadata(TritonAttention(), step)))
 
 
 @torch.inference_mode()

@@ -99,15 +99,15 @@ def test_prompt_chunks_on_both_attention_paths(model_dir, prompt_ids, hf_referen
     """With the CPU decode kernel, short fresh prompt chunks and continuing ones are attended as kernel
     rows and long fresh chunks by torch's SDPA; with the threshold lowered to 20 tokens, steps mix
     decodes and chunks of both kinds, in the order the kernel needs, and tokens stay exact."""
-    from serve_app.engine import model_runner
+    from serve_app.engine import attention_metadata, model_runner
 
-    monkeypatch.setattr(model_runner, "KERNEL_MAX_FRESH_CHUNK", 20)
+    monkeypatch.setattr(attention_metadata, "KERNEL_MAX_FRESH_CHUNK", 20)
     ranks_seen = set()
     original = model_runner.ModelRunner._order
 
     def order(self, scheduled):
         ordered = original(self, scheduled)
-        ranks = [model_runner.kernel_rank(s) for s in ordered]
+        ranks = [attention_metadata.kernel_rank(s) for s in ordered]
         assert ranks == sorted(ranks)
         ranks_seen.update(ranks)
         return ordered

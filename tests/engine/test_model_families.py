@@ -58,16 +58,13 @@ def test_greedy_matches_hf(tiny, attention_backend):
 
 
 def test_logits_match_hf(tiny):
-    from serve_app.engine.attention import AttentionMetadata, PrefillChunk
+    from serve_app.engine.attention import PagedAttentionMetadata
 
     model, path = tiny
     llm = LLM(path, dtype="float32", block_size=8, num_blocks=16)
     runner = llm.engine.core.model_runner
     prompt = PROMPTS[1]
-    meta = AttentionMetadata(
-        slot_mapping=torch.arange(len(prompt)), num_decodes=0, decode_block_tables=None, decode_context_lens=None,
-        decode_mask=None, prefills=(PrefillChunk(0, len(prompt), 0, None, None),),
-    )
+    meta = PagedAttentionMetadata.fresh_prompt(len(prompt))
     with torch.no_grad():
         hidden = runner.model(torch.tensor(prompt), torch.arange(len(prompt)), runner.kv_caches, meta)
         ours = runner.model.compute_logits(hidden)

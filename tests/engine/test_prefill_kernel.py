@@ -113,9 +113,9 @@ def test_model_steps_against_reference_and_decode_kernel_rows(model_dir, prompt_
     decode kernel's rows over the same inputs. Fresh chunks past KERNEL_MAX_FRESH_CHUNK (lowered to 20)
     go to the kernel too. (Greedy tokens are not compared: the two kernels round differently, and one
     of these prompts' bf16 continuations flips on that.)"""
-    from serve_app.engine import LLM, SamplingParams, model_runner
+    from serve_app.engine import LLM, SamplingParams, attention_metadata
 
-    monkeypatch.setattr(model_runner, "KERNEL_MAX_FRESH_CHUNK", 20)
+    monkeypatch.setattr(attention_metadata, "KERNEL_MAX_FRESH_CHUNK", 20)
     llm = LLM(model_dir, dtype="bfloat16", kv_cache_memory_gib=0.1, max_num_batched_tokens=48)
     runner = llm.engine.core.model_runner
     assert runner.prefill_kernel is not None

@@ -13,7 +13,6 @@ from serve_app.engine.kv_events import KVCachePublisher, KVEventLog
 from serve_app.serving.pending_prefixes import PendingPrefixes
 from serve_app.serving.prefix_router import PrefixAwareRouter
 from serve_app.serving.router import KVCacheAwareRouter
-from serve_app.serving.routing_policy import ReplicaSample
 from serve_app.types import GenerateRequest, SamplingParams
 from tests.router.fakes import BLOCK_SIZE, Clock, FakeReplica, make_router, pending, route
 
@@ -313,17 +312,6 @@ def test_a_prefix_another_router_sent_follows_its_group_before_it_is_cached():
         assert router.num_decisions == {"load": 1}
 
     run(main())
-
-
-def test_queued_prompt_tokens_of_an_old_sample_drain_at_the_replicas_fitted_rate():
-    sample = ReplicaSample(0.1, 90, 100, 0, 2, 1000.0, 400, step_fixed_s=0.01, prefill_s_per_token=0.001,
-                           decode_s_per_token=0.002)
-    per_token = 0.001 + (0.01 + 2 * 0.002) / 512
-    assert sample.unread_prompt_tokens(0.0, 512) == 400
-    assert sample.unread_prompt_tokens(0.2, 512) == 400 - int(0.2 / per_token)
-    assert sample.unread_prompt_tokens(5.0, 512) == 0
-    no_fit = ReplicaSample(0.1, 90, 100, 0, 2, 1000.0, 400)
-    assert no_fit.unread_prompt_tokens(5.0, 512) == 400  # nothing measured: nothing assumed read
 
 
 def test_pending_prefixes_publish_until_the_first_token_and_cap_newest_first():

@@ -4,20 +4,13 @@ fallback, in-flight accounting (no herding between two samples), Serve's routing
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import math
 
 import pytest
 
 from serve_app.config import ServeConfig
 from serve_app.serving.app import request_router_config
 from serve_app.serving.router import KVCacheAwareRouter, RoundRobinRouter
-from serve_app.serving.routing_policy import (
-    ROUTER_CLASSES,
-    KVRouterSettings,
-    estimate_prompt_tokens,
-    estimate_request_blocks,
-)
+from serve_app.serving.routing_policy import ROUTER_CLASSES, KVRouterSettings
 from serve_app.types import GenerateRequest, SamplingParams
 from tests.router.fakes import BLOCK_SIZE, Clock, FakeReplica, gen_request, make_router, pending, route
 
@@ -29,28 +22,6 @@ def run(coro):
 def names(ranks) -> list[str]:
     assert all(len(rank) == 1 for rank in ranks), "one replica per rank: Serve keeps our order"
     return [rank[0].replica_id.unique_id for rank in ranks]
-
-
-# ---- request size estimates --------------------------------------------------------------------------
-def test_prompt_estimates():
-    assert estimate_prompt_tokens(gen_request("r", 37, 8)) == 37  # token ids: exact
-    assert estimate_prompt_tokens(GenerateRequest("r", prompt="x" * 400)) == 100  # text: 4 chars per token
-    chat = GenerateRequest("r", messages=({"role": "system", "content": "s" * 40}, {"role": "user", "content": "u" * 80}))
-    assert estimate_prompt_tokens(chat) == 30 + 2 * 5 + 3  # content + ChatML framing
-    assert estimate_prompt_tokens(None) == 0 and estimate_prompt_tokens(object()) == 0
-
-
-def test_block_estimates_and_weights():
-    s = KVRouterSettings(block_size=16)
-    assert estimate_request_blocks(gen_request("r", 100, 60), s) == math.ceil(160 / 16)
-    # chat requests default max_tokens to the whole context: the expected output is capped
-    capped = KVRouterSettings(block_size=16, max_expected_output_tokens=64)
-    assert estimate_request_blocks(gen_request("r", 32, 8000), capped) == (32 + 64) // 16
-    until_context = dataclasses.replace(gen_request("r", 32, 8), sampling_params=SamplingParams(max_tokens=None))
-    assert estimate_request_blocks(until_context, capped) == (32 + 64) // 16  # chat without max_tokens
-    half = KVRouterSettings(block_size=16, output_weight=0.5, prompt_weight=1.0)
-    assert estimate_request_blocks(gen_request("r", 32, 64), half) == 4
-    assert estimate_request_blocks(None, s) == 0
 
 
 def test_settings_validation():

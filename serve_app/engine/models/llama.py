@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from serve_app.engine.attention import AttentionMetadata, paged_attention
+from serve_app.engine.attention import AttentionMetadata, PagedAttentionMetadata, paged_attention
 from serve_app.engine.models.row_invariance import UNTILED, Projection, RowTiling, invariant_tiling, row_tiled
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
@@ -171,8 +171,8 @@ class LlamaForCausalLM(nn.Module):
 
     def use_rope_write_kv_op(self, op) -> None:
         """Rotate q/k and write k/v to the cache with `op` (the C++ bf16 CPU op) instead of torch's
-        gather, roll, elementwise ops and index_copy_; bit-identical. Only for steps whose attention
-        has no whole-step implementation (`AttentionMetadata.impl`), which writes the cache itself."""
+        gather, roll, elementwise ops and index_copy_; bit-identical. Only for steps attended layer by
+        layer (`PagedAttentionMetadata`): a whole-step implementation writes the cache itself."""
         self._rope_write_kv_op = op
 
     def _add_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -266,7 +266,7 @@ class LlamaForCausalLM(nn.Module):
         a = self.args
         num_tokens = input_ids.shape[0]
         q_size, kv_size = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
-        fused_rope = self._rope_write_kv_op is not None and meta.impl is None
+        fused_rope = self._rope_write_kv_op is not None and isinstance(meta, PagedAttentionMetadata)
         if not fused_rope:
             cos = self._cos[positions].unsqueeze(1)  # [T, 1, D]
             sin = self._sin[positions].unsqueeze(1)
