@@ -1,0 +1,96 @@
+"""Docs that list what the code declares stay in step with it (cheap, torch-free checks):
+
+- docs/architecture.md's metric table has one row per `MetricSpec` (serve_app/metrics/names.py), with
+  its type and labels, and no row for a metric that does not exist;
+- docs/openai-api.md names every field the OpenAI request models accept (serving/openai_protocol.py):
+  each top-level request field in its bounds table or among the unsupported parameters, each field of
+  a nested model (messages, tools, stream options) somewhere in the page.
+"""
+
+from __future__ import annotations
+
+import re
+import typing
+from pathlib import Path
+
+from pydantic import BaseModel
+
+from serve_app.metrics import names
+from serve_app.serving import openai_protocol
+
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+METRIC_TABLE_MARK = "<!-- metric table:"
+
+
+def _table_rows(text: str, mark: str) -> list[list[str]]:
+    """The cells of the Markdown table that follows the line starting with `mark`."""
+    lines = text[text.index(mark):].splitlines()[1:]
+    rows = []
+    for line in lines:
+        if not line.startswith("|"):
+            if rows:
+                break
+            continue
+        cells = [c.strip() for c in re.split(r"(?<!\\)\|", line.strip())[1:-1]]
+        if set("".join(cells)) <= set("-: "):
+            continue
+        rows.append(cells)
+    return rows[1:]  # without the header
+
+
+def _section(text: str, heading: str) -> str:
+    start = text.index(heading)
+    end = text.find("\n## ", start + len(heading))
+    return text[start:] if end < 0 else text[start:end]
+
+
+def _backticked(text: str) -> set[str]:
+    """Every name in backticks, with its dotted / indexed parts: `tools[].function.name` gives tools, function, name."""
+    found = set()
+    text = re.sub(r"```.*?```", "", text, flags=re.S)  # code blocks
+    for quoted in re.findall(r"`([^`]+)`", text):
+        found.update(p for p in re.split(r"[^A-Za-z0-9_]+", quoted) if p)
+    return found
+
+
+def test_metric_table_is_the_metric_specs():
+    rows = _table_rows((DOCS / "architecture.md").read_text(), METRIC_TABLE_MARK)
+    documented = {}
+    for name, kind, labels, meaning in rows:
+        assert name not in documented, f"{name} has two rows in docs/architecture.md"
+        assert meaning, f"{name}: no meaning in docs/architecture.md"
+        documented[name] = (kind, tuple(label.strip() for label in labels.split(",") if label.strip()))
+    declared = {m.name: (m.kind, m.labels) for m in names.ALL_METRICS}
+    assert sorted(set(declared) - set(documented)) == [], "metrics missing from docs/architecture.md's table"
+    assert sorted(set(documented) - set(declared)) == [], "rows of docs/architecture.md's table name no MetricSpec"
+    for name, (kind, labels) in declared.items():
+        assert documented[name] == (kind, labels), f"{name}: docs/architecture.md says {documented[name]}, names.py {(kind, labels)}"
+
+
+def _models(model: type[BaseModel], seen: dict[str, type[BaseModel]]) -> None:
+    """`model` and every pydantic model its fields can hold."""
+    if model.__name__ in seen:
+        return
+    seen[model.__name__] = model
+    pending = [f.annotation for f in model.model_fields.values()]
+    while pending:
+        tp = pending.pop()
+        if isinstance(tp, type) and issubclass(tp, BaseModel):
+            _models(tp, seen)
+        pending.extend(typing.get_args(tp))
+
+
+def test_openai_doc_names_every_request_field():
+    text = (DOCS / "openai-api.md").read_text()
+    top = (openai_protocol.CompletionRequest, openai_protocol.ChatCompletionRequest)
+    bounds = _backticked("\n".join(row[0] for row in _table_rows(text, "## Bounds")))
+    unsupported = _backticked(_section(text, "## Still unsupported"))
+    missing = sorted({f for m in top for f in m.model_fields} - bounds - unsupported)
+    assert missing == [], "request fields with no bound in docs/openai-api.md (nor listed as unsupported)"
+    nested: dict[str, type[BaseModel]] = {}
+    for model in top:
+        _models(model, nested)
+    anywhere = _backticked(text)
+    missing = sorted({f"{m.__name__}.{f}" for m in nested.values() if m not in top for f in m.model_fields
+                      if f not in anywhere})
+    assert missing == [], "fields of nested request models not named in docs/openai-api.md"
