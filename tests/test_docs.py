@@ -4,17 +4,21 @@
   its type and labels, and no row for a metric that does not exist;
 - docs/openai-api.md names every field the OpenAI request models accept (serving/openai_protocol.py):
   each top-level request field in its bounds table or among the unsupported parameters, each field of
-  a nested model (messages, tools, stream options) somewhere in the page.
+  a nested model (messages, tools, stream options) somewhere in the page;
+- docs/operations.md's configuration table has a row for every `ServeConfig` field (serve_app/config.py),
+  and none for a key that is not one.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import typing
 from pathlib import Path
 
 from pydantic import BaseModel
 
+from serve_app.config import ServeConfig
 from serve_app.metrics import names
 from serve_app.serving import openai_protocol
 
@@ -94,3 +98,13 @@ def test_openai_doc_names_every_request_field():
     missing = sorted({f"{m.__name__}.{f}" for m in nested.values() if m not in top for f in m.model_fields
                       if f not in anywhere})
     assert missing == [], "fields of nested request models not named in docs/openai-api.md"
+
+
+def test_operations_doc_has_every_serve_config_key():
+    rows = _table_rows((DOCS / "operations.md").read_text(), "<!-- serve config table:")
+    documented = set()
+    for row in rows:
+        documented |= set(re.findall(r"`([a-z_]+)`", row[0]))
+    declared = {f.name for f in dataclasses.fields(ServeConfig)}
+    assert sorted(declared - documented) == [], "ServeConfig fields missing from docs/operations.md's table"
+    assert sorted(documented - declared) == [], "rows of docs/operations.md's table name no ServeConfig field"
