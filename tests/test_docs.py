@@ -6,7 +6,9 @@
   each top-level request field in its bounds table or among the unsupported parameters, each field of
   a nested model (messages, tools, stream options) somewhere in the page;
 - docs/operations.md's configuration table has a row for every `ServeConfig` field (serve_app/config.py),
-  and none for a key that is not one.
+  and none for a key that is not one;
+- every link in README.md, docs/ and reports/README.md stays inside the repository and resolves: the
+  file exists, and a `#fragment` names a heading of it (GitHub's anchors).
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from serve_app.config import ServeConfig
 from serve_app.metrics import names
 from serve_app.serving import openai_protocol
 
-DOCS = Path(__file__).resolve().parent.parent / "docs"
+REPO = Path(__file__).resolve().parent.parent
+DOCS = REPO / "docs"
 METRIC_TABLE_MARK = "<!-- metric table:"
 
 
@@ -108,3 +111,33 @@ def test_operations_doc_has_every_serve_config_key():
     declared = {f.name for f in dataclasses.fields(ServeConfig)}
     assert sorted(declared - documented) == [], "ServeConfig fields missing from docs/operations.md's table"
     assert sorted(documented - declared) == [], "rows of docs/operations.md's table name no ServeConfig field"
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor of a Markdown heading."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def _anchors(path: Path) -> set[str]:
+    text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)
+    return {_anchor(m) for m in re.findall(r"^#{1,6} (.+)$", text, flags=re.M)}
+
+
+def test_doc_links_resolve_inside_the_repository():
+    pages = [REPO / "README.md", REPO / "reports" / "README.md", *sorted(DOCS.glob("*.md"))]
+    problems = []
+    for page in pages:
+        text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            where = f"{page.relative_to(REPO)} → {target}"
+            if re.match(r"[a-z]+:", target):
+                problems.append(f"{where}: links outside the repository")
+                continue
+            file, _, fragment = target.partition("#")
+            dest = (page.parent / file).resolve() if file else page
+            if not dest.exists():
+                problems.append(f"{where}: no such file")
+            elif fragment and dest.suffix == ".md" and fragment not in _anchors(dest):
+                problems.append(f"{where}: no such heading")
+    assert problems == [], "\n".join(problems)
