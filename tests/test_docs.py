@@ -7,6 +7,8 @@
   a nested model (messages, tools, stream options) somewhere in the page;
 - docs/operations.md's configuration table has a row for every `ServeConfig` field (serve_app/config.py),
   and none for a key that is not one;
+- docs/engine.md's options table has a row for every native engine option (`EngineConfig.from_kwargs`
+  names), and docs/vllm-backend.md names every `VLLMOptions` field;
 - every link in README.md, docs/ and reports/README.md stays inside the repository and resolves: the
   file exists, and a `#fragment` names a heading of it (GitHub's anchors).
 """
@@ -20,7 +22,8 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from serve_app.config import ServeConfig
+from serve_app.backends.vllm_options import VLLMOptions
+from serve_app.config import CacheConfig, ModelConfig, SchedulerConfig, ServeConfig
 from serve_app.metrics import names
 from serve_app.serving import openai_protocol
 
@@ -141,3 +144,14 @@ def test_doc_links_resolve_inside_the_repository():
             elif fragment and dest.suffix == ".md" and fragment not in _anchors(dest):
                 problems.append(f"{where}: no such heading")
     assert problems == [], "\n".join(problems)
+
+
+def test_engine_options_are_documented():
+    rows = _table_rows((DOCS / "engine.md").read_text(), "## Options")
+    documented = {name for row in rows for name in re.findall(r"`([a-z_]+)`", row[0])}
+    declared = {f.name for c in (ModelConfig, CacheConfig, SchedulerConfig) for f in dataclasses.fields(c)} - {"model"}
+    declared.add("speculative")
+    assert sorted(declared - documented) == [], "engine options missing from docs/engine.md's table"
+    assert sorted(documented - declared) == [], "rows of docs/engine.md's table name no engine option"
+    vllm_doc = _backticked((DOCS / "vllm-backend.md").read_text())
+    assert sorted(f.name for f in dataclasses.fields(VLLMOptions) if f.name not in vllm_doc) == []
