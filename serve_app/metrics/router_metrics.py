@@ -1,4 +1,4 @@
-"""What a request router records about its decisions (for `KVCacheAwareRouter`).
+"""What a request router records about its decisions (`KVCacheAwareRouter`, `PrefixAwareRouter`, `RoundRobinRouter`).
 
     metrics = RouterMetrics.for_ray(model_name)            # in the router (inside a DeploymentHandle)
     metrics.record_routed(replica.replica_id.unique_id, stats_age_s=now - sample_time)
@@ -7,8 +7,10 @@
   used for that replica at its latest decision (None: it had no sample, nothing is set).
 - `llm_router_routed_requests_total{target_replica}`: requests sent to each replica.
 - `llm_router_decisions_total{reason,target_replica}`: decisions by reason (prefix-aware router).
-- `llm_router_cached_tokens_error{source,target_replica}` (histogram) and `..._abs_error_total`: predicted −
-  actual cached prompt tokens per request, once the replica reported what its engine found.
+- `llm_router_cached_tokens_abs_error{source,target_replica}` (histogram): |predicted − actual| cached
+  prompt tokens per request, once the replica reported what its engine found; and
+  `llm_router_predicted_cached_tokens_total` / `llm_router_actual_cached_tokens_total` with the same
+  labels (their difference: the signed error).
 
 `target_replica` should be the LLMServer replica's unique id (`RunningReplica.replica_id.unique_id`),
 the value Ray Serve puts in the `replica` label of that replica's own metrics, so that dashboards can

@@ -1,7 +1,7 @@
 """Stream batching in the LLMServer replica: a stream's deltas merged into fewer items per interval.
 
 Every item a replica yields costs CPU in the replica, the ingress, the HTTP proxy and Ray's core
-(measured in docs/serving-path.md): merging a stream's deltas cuts that cost by the number of deltas
+(reports/README.md, "The serving path"): merging a stream's deltas cuts that cost by the number of deltas
 merged. The latency contract: the first delta and the finish are sent at once (TTFT and end-to-end
 latency untouched), and any other delta is sent at most `interval_s` after it arrived: a pending
 delta is flushed by a timer when the interval since the previous item expires, whether or not
