@@ -43,8 +43,8 @@ class ScheduledRequest:
     spec_generator_keys: tuple[int | None, ...] = ()
     spec_draft_probs: Any = None  # [len(spec_token_ids), V] tensor, or None
     spec_accept_keys: tuple[int | None, ...] = ()  # with draft probs: each proposal's acceptance-draw key
-    # structured outputs: the request's `GrammarState` on sampling chunks (the runner fills its bitmask
-    # rows from it while the forward pass runs; only the scheduler advances it)
+    # structured outputs: the request's `GrammarState` on sampling chunks (the runner's masks read it,
+    # engine/logits_masks.py, and leave it as it was; only the scheduler advances it)
     grammar: Any = None
 
     @property
