@@ -103,6 +103,7 @@ class MaskFiller:
         if overlap is None:
             overlap = device.type != "cpu" or (os.cpu_count() or 1) > torch.get_num_threads()
         self.overlap = overlap
+        self.check_greedy = True  # False: every constrained row masked whole (what checking saves: loadtest/bench_structured.py)
         self._executor: ThreadPoolExecutor | None = None
 
     def start(self, samplers: Sequence[ScheduledRequest]) -> StepMasks | None:
@@ -111,7 +112,7 @@ class MaskFiller:
         for s in samplers:
             n = 1 + len(s.spec_token_ids)
             if s.grammar is not None:
-                if is_checked(s):
+                if self.check_greedy and is_checked(s):
                     checked.append((s, at))
                 else:
                     filled.append((s, at))
