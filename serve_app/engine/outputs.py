@@ -81,7 +81,7 @@ class ModelRunnerOutput:
     extra_token_ids: tuple[tuple[int, ...], ...] = ()
     # requests whose sampling raised (not in `request_ids`): (request id, what went wrong); the core aborts them
     failed: tuple[tuple[str, str], ...] = ()
-    mask_s: float | None = None  # grammar bitmask fill + apply time of the step (None: no constrained row)
+    mask_s: float | None = None  # grammar mask time of the step: check + fill + apply (None: no constrained row)
 
 
 @dataclass(frozen=True)
