@@ -3,10 +3,8 @@
 The scheduler owns it (on the `Request`): the request waits, outside the running batch, until its
 grammar has compiled (`poll`); `accept` advances it by each token the request keeps, so after a
 preemption (whose recompute keeps the output) the matcher is still where the output is. The model
-runner fills the request's bitmask rows while the forward pass runs (`fill_rows`), one row per
-sampled position: for a verification with proposed tokens, row j is the mask after proposals
-0..j-1 (advanced, then rolled back). A proposal the grammar forbids cannot equal the masked sample
-of its row, so it is rejected there, and the rows after it are never used.
+runner's masks (`logits_masks`) ask it which tokens are allowed at each sampled row, advancing it
+over a verification's proposed tokens and rolling it back, so that it is left where it was.
 
 Once the grammar is complete only the request's EOS tokens are allowed; accepting one terminates
 the matcher (the scheduler finishes the request with "stop", even with ignore_eos).
@@ -50,22 +48,21 @@ class GrammarState:
         return self.matcher is not None and self.matcher.is_terminated()
 
     def accept(self, token_id: int) -> bool:
-        """Advance by a kept token; False if the grammar does not allow it (a bug upstream)."""
+        """Advance by a token; False (and not advanced) if the grammar does not allow it."""
         return bool(self.matcher.accept_token(token_id))
 
-    def fill_rows(self, bitmask: torch.Tensor, first_row: int, draft_token_ids: tuple[int, ...]) -> None:
-        """Fill rows `first_row .. first_row + len(draft_token_ids)` of `bitmask` ([R, ceil(V/32)] int32,
-        which comes with every bit set) and leave the matcher as it was. Rows past a forbidden or an
-        EOS proposal are left as they came: they are never used."""
-        matcher = self.matcher
-        matcher.fill_next_token_bitmask(bitmask, first_row)
-        advanced = 0
-        for j, token_id in enumerate(draft_token_ids):
-            if not matcher.accept_token(token_id):  # forbidden: rejected at row first_row + j
-                break
-            advanced += 1
-            if matcher.is_terminated():  # an accepted EOS proposal: the request stops there
-                break
-            matcher.fill_next_token_bitmask(bitmask, first_row + j + 1)
-        if advanced:
-            matcher.rollback(advanced)
+    def allows(self, token_id: int) -> bool:
+        """Whether the grammar allows `token_id` next (the matcher is left as it was): a few
+        microseconds, where filling the whole mask can take a hundred or more."""
+        if not self.matcher.accept_token(token_id):
+            return False
+        self.matcher.rollback(1)
+        return True
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the allowed next tokens into row `row` of `bitmask` ([R, ceil(V/32)] int32, CPU)."""
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last `num_tokens` `accept`s."""
+        self.matcher.rollback(num_tokens)

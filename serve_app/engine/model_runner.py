@@ -89,7 +89,7 @@ class ModelRunner:
         self.kv_cache_bytes = per_block * self.num_blocks
         self.generator = torch.Generator(device=self.device).manual_seed(model_config.seed)
         self.input_batch = InputBatch(self.block_size, self.device)
-        self.masks = MaskFiller(self.args.vocab_size, self.device)  # structured outputs' bitmasks, filled during the forward
+        self.masks = MaskFiller(self.args.vocab_size, self.device)  # structured outputs' grammar masks
         self.varlen = None
         self.decode_graphs = None
         self.decode_kernel = self.prefill_kernel = self.argmax = None
@@ -210,7 +210,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        # constrained requests' bitmasks fill in a worker thread while the forward pass runs
+        # constrained requests' masks: filled ahead (during the forward where a core is free) or checked after it
         masks = self.masks.start([s for s in self._order(scheduler_output.scheduled) if s.sample])
         samplers, logits = self.sampling_logits(scheduler_output.scheduled)
         if not samplers:
@@ -218,7 +218,7 @@ class ModelRunner:
         failed: dict[str, str] = {}
         if masks is not None:
             # logprobs are of the masked distribution (as vLLM's): the grammar's forbidden tokens at -inf
-            failed = masks.apply(logits)
+            failed = masks.apply(logits, self.argmax)
             if failed:
                 samplers, logits = drop_requests(samplers, logits, failed)
         out = sample_step(samplers, logits, self._sampling()) if samplers else ModelRunnerOutput((), ())

@@ -43,8 +43,8 @@ class ScheduledRequest:
     spec_generator_keys: tuple[int | None, ...] = ()
     spec_draft_probs: Any = None  # [len(spec_token_ids), V] tensor, or None
     spec_accept_keys: tuple[int | None, ...] = ()  # with draft probs: each proposal's acceptance-draw key
-    # structured outputs: the request's `GrammarState` on sampling chunks (the runner fills its bitmask
-    # rows from it while the forward pass runs; only the scheduler advances it)
+    # structured outputs: the request's `GrammarState` on sampling chunks (the runner's masks read it,
+    # engine/logits_masks.py, and leave it as it was; only the scheduler advances it)
     grammar: Any = None
 
     @property
@@ -81,7 +81,7 @@ class ModelRunnerOutput:
     extra_token_ids: tuple[tuple[int, ...], ...] = ()
     # requests whose sampling raised (not in `request_ids`): (request id, what went wrong); the core aborts them
     failed: tuple[tuple[str, str], ...] = ()
-    mask_s: float | None = None  # grammar bitmask fill + apply time of the step (None: no constrained row)
+    mask_s: float | None = None  # grammar mask time of the step: check + fill + apply (None: no constrained row)
 
 
 @dataclass(frozen=True)

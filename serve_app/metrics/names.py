@@ -149,8 +149,8 @@ GRAMMAR_COMPILE_TIME = MetricSpec(
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0))
 GRAMMAR_MASK_TIME = MetricSpec(
     "llm_grammar_mask_seconds", "histogram",
-    "Grammar bitmask work of one engine step with constrained rows: filling the bitmask (overlapped with the "
-    "forward pass) plus applying it to the logits.",
+    "Grammar mask work of one engine step with constrained rows: checking greedy rows' choices against their "
+    "grammars, and filling and applying the masks of the rows that need one.",
     buckets=(0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1))
 
 ENGINE_EXECUTION_PATHS = MetricSpec(

@@ -37,7 +37,7 @@ class SchedulerStats:
     spec_num_seqs: int = 0
     spec_num_proposed: int = 0
     spec_num_accepted: int = 0
-    # structured outputs: the step's grammar bitmask fill + apply time (None: no constrained row), and
+    # structured outputs: the step's grammar mask time, check + fill + apply (None: no constrained row), and
     # the compile time of each grammar that finished compiling since the previous step
     grammar_mask_s: float | None = None
     grammar_compile_s: tuple[float, ...] = ()

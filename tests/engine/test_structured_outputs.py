@@ -209,3 +209,30 @@ def test_preempted_constrained_requests_resume_where_they_were(model_dir, tokeni
     assert sum(o.metrics.num_preemptions for o in outs) > 0
     assert [list(o.token_ids) for o in outs] == reference
     small.engine.core.block_manager.check_integrity()
+
+
+PRODUCT = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 40},
+    "price_usd": {"type": "integer", "minimum": 1, "maximum": 100000},
+    "tags": {"type": "array", "items": {"type": "string", "maxLength": 16}, "minItems": 1, "maxItems": 3}},
+    "required": ["name", "price_usd", "tags"]}
+ITEMS = ["a hammer", "a teapot", "a garden hose", "a toy robot", "a cookbook", "headphones", "a drill", "a frying pan",
+         "a rake", "a puzzle", "a novel", "a phone charger", "a screwdriver set", "a kettle"]
+
+
+@pytest.mark.heavy  # 14 requests alone, then 16 at once: about 30 s
+def test_a_constrained_request_is_the_same_alone_and_in_a_batch_of_16(model_dir, tokenizer):
+    """Greedy constrained requests (their rows checked against the grammar) and seeded ones (masked
+    whole), each alone without speculation and all 16 at once with n-gram speculation beside two
+    unconstrained requests: the same tokens, every output valid."""
+    llm = LLM(model_dir, dtype="bfloat16", kv_cache_memory_gib=0.25, speculative={"method": "ngram", "k": 3})
+    spec = StructuredOutput(json_schema=json.dumps(PRODUCT))
+    cons = [(chat(tokenizer, f"Describe {item} for an online shop, as JSON."), params(spec, seed=i if i >= 12 else None))
+            for i, item in enumerate(ITEMS)]
+    neigh = neighbours(tokenizer)[:2]
+    alone = [tokens(llm, [r], speculative=False)[0] for r in cons]
+    batch = tokens(llm, cons + neigh)
+    assert batch[: len(cons)] == alone
+    for ids in alone:
+        jsonschema.validate(json.loads(tokenizer.decode(ids, skip_special_tokens=True)), PRODUCT)
+    llm.engine.core.block_manager.check_integrity()
