@@ -45,8 +45,8 @@ from serve_app.serving.prefix_policy import (
     rank_by_ttft,
 )
 from serve_app.serving.router import KVCacheAwareRouter, logger
+from serve_app.serving.routing_config import KVRouterSettings
 from serve_app.serving.routing_policy import (
-    KVRouterSettings,
     estimate_request_blocks,
     find_request,
     rank_replicas,

@@ -38,9 +38,9 @@ from ray.serve.request_router import (
     RunningReplica,
 )
 
+from serve_app.serving.routing_config import KVRouterSettings
 from serve_app.serving.routing_policy import (
     InFlightLedger,
-    KVRouterSettings,
     ReplicaSample,
     ReplicaView,
     estimate_occupancy,
