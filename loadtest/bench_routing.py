@@ -47,7 +47,7 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # Ray on the lo
 
 from loadtest.replica_probe import FACTORY, PROBE_DIR_ENV, read_probes, serve_replicas  # noqa: E402
 from loadtest.routing_trace import Mix, RequestResult, TraceRequest, compare, make_trace, summarize_run  # noqa: E402
-from serve_app.serving.routing_policy import ROUTER_CLASSES  # noqa: E402
+from serve_app.serving.routing_config import ROUTER_CLASSES  # noqa: E402
 
 APP = "bench-routing"  # + "-<router>": Serve caches a driver's handles by (deployment, app), and a
 # handle keeps the request router it started with, so each router needs its own app name
@@ -435,7 +435,7 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2],
                         help="one trace per seed, replayed in turn; results pool all of them, and per-seed ratios show the spread")
     parser.add_argument("--kv-router-kwargs", nargs="*", default=[], type=_router_kwarg, metavar="NAME=VALUE",
-                        help="KVCacheAwareRouter options (routing_policy.KVRouterSettings), e.g. prefill_weight=0")
+                        help="KVCacheAwareRouter options (routing_config.KVRouterSettings), e.g. prefill_weight=0")
     parser.add_argument("--out-dir", default=None)
     parser.add_argument("--quick", action="store_true", help="8 s traces, 12 s calibration (smoke run)")
     opts = parser.parse_args()

@@ -27,7 +27,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from serve_app.config import EngineConfig  # noqa: E402
+from serve_app.engine.config import EngineConfig  # noqa: E402
 from serve_app.engine.model_runner import ModelRunner, kv_cache_bytes_per_block  # noqa: E402
 from serve_app.engine.outputs import ScheduledRequest, SchedulerOutput  # noqa: E402
 from serve_app.types import SamplingParams  # noqa: E402

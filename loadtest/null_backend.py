@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from serve_app.backends.base import Backend, BackendDeadError, ModelInfo, RoutingStats
+from serve_app.backends.config import BackendConfig
 from serve_app.metrics.stats import SchedulerStats
 from serve_app.types import FinishReason, GenerateRequest, RequestMetrics, RequestOutput
 
@@ -75,7 +76,7 @@ class NullEngineOptions:
             raise ValueError(f"device: the null engine runs on no device ('none'), got {self.device!r}")
 
     @property
-    def kv_block_size(self) -> int:  # the backend options contract (serve_app.config.BackendKind)
+    def kv_block_size(self) -> int:  # the backend options contract (serve_app.backends.config.BackendConfig)
         return self.block_size
 
     @classmethod
@@ -288,12 +289,12 @@ class NullBackend(Backend):
         self._num_requests = 0
 
     @classmethod
-    def options_from_kwargs(cls, kwargs: dict[str, Any]) -> NullEngineOptions:
-        return NullEngineOptions.from_kwargs(kwargs)
+    def options_from_kwargs(cls, model: str, engine: dict[str, Any]) -> NullEngineOptions:
+        return NullEngineOptions.from_kwargs(engine)
 
     @classmethod
-    def from_serve_config(cls, config: Any, stat_loggers: Sequence[Any] = (), fault_hook: Any = None) -> NullBackend:
-        return cls(config.model, cls.options_from_kwargs(config.engine_kwargs), config.model_name, stat_loggers)
+    def from_config(cls, config: BackendConfig, stat_loggers: Sequence[Any] = (), fault_hook: Any = None) -> NullBackend:
+        return cls(config.model, config.options, config.model_name, stat_loggers)
 
     async def start(self) -> None:
         if self._engine is not None:

@@ -34,7 +34,7 @@ sys.path.insert(0, str(REPO / "loadtest"))
 from compute_floor import matmul_rate, token_flops  # noqa: E402
 from decode_sweep import decode_batch  # noqa: E402
 
-from serve_app.config import EngineConfig  # noqa: E402
+from serve_app.engine.config import EngineConfig  # noqa: E402
 from serve_app.engine.model_runner import ModelRunner  # noqa: E402
 from serve_app.engine.outputs import ScheduledRequest, SchedulerOutput  # noqa: E402
 from serve_app.types import SamplingParams  # noqa: E402

@@ -4,6 +4,10 @@ One backend instance lives in one replica and serves many concurrent requests fr
 event loop. Implementations: `native` (this repository's engine); others (vLLM) plug in the same way.
 
 Contracts:
+- `options_from_kwargs(model, engine)` (a classmethod) validates a serving config's `engine` mapping
+  into the backend's options, raising `ValueError` naming the option; it runs once, where the config
+  is loaded, and imports no engine. `from_config(config, stat_loggers, fault_hook)` builds the
+  backend in its replica from that `config.BackendConfig` (its `options` already validated).
 - `start()` is awaited once before anything else; it loads the model and may take seconds.
 - `generate(request)` is an async iterator of `RequestOutput` *deltas* (text and token ids new since
   the previous item), ending with one whose `finished` is True. Invalid input raises `ValueError`
@@ -26,12 +30,15 @@ Contracts:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from serve_app.generation_config import GenerationDefaults
 from serve_app.types import GenerateRequest, RequestOutput
+
+if TYPE_CHECKING:
+    from serve_app.backends.config import BackendConfig
 
 
 @dataclass(frozen=True)
@@ -85,6 +92,17 @@ class BackendDeadError(RuntimeError):
 
 
 class Backend(ABC):
+    @classmethod
+    @abstractmethod
+    def options_from_kwargs(cls, model: str, engine: dict[str, Any]) -> Any:
+        """The backend's options from a serving config's `engine` mapping (see the module docstring)."""
+
+    @classmethod
+    @abstractmethod
+    def from_config(cls, config: BackendConfig, stat_loggers: Sequence[Any] = (), fault_hook: Any = None) -> Backend:
+        """The backend of `config` (not started yet). `fault_hook` (tests only, serve_app/faults.py)
+        reaches the native engine's per-request stages; other backends ignore it."""
+
     @abstractmethod
     async def start(self) -> None:
         """Load the model and start the engine."""

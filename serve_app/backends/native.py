@@ -12,10 +12,11 @@ from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from serve_app.backends.base import Backend, BackendDeadError, ModelInfo, RoutingStats
-from serve_app.config import EngineConfig
+from serve_app.engine.config import EngineConfig
 from serve_app.types import GenerateRequest, RequestOutput
 
 if TYPE_CHECKING:
+    from serve_app.backends.config import BackendConfig
     from serve_app.engine.async_engine import AsyncLLMEngine
 
 logger = logging.getLogger(__name__)
@@ -87,8 +88,13 @@ class NativeBackend(Backend):
         return {} if self._publisher is None or self._engine is None else self._publisher.next_update()
 
     @classmethod
-    def from_serve_config(cls, config: Any, stat_loggers: Sequence[Any] = (), fault_hook: Any = None) -> NativeBackend:
-        return cls(config.engine_config(), config.model_name, stat_loggers, fault_hook)
+    def options_from_kwargs(cls, model: str, engine: dict[str, Any]) -> EngineConfig:
+        """`engine` holds `EngineConfig.from_kwargs` names (`dtype`, `max_num_seqs`, `speculative`, ...)."""
+        return EngineConfig.from_kwargs(model, **engine)
+
+    @classmethod
+    def from_config(cls, config: BackendConfig, stat_loggers: Sequence[Any] = (), fault_hook: Any = None) -> NativeBackend:
+        return cls(config.options, config.model_name, stat_loggers, fault_hook)
 
     def model_info(self) -> ModelInfo:
         inputs = self.engine.engine.input_processor

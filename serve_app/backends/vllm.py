@@ -45,6 +45,7 @@ from serve_app.types import (
 )
 
 if TYPE_CHECKING:
+    from serve_app.backends.config import BackendConfig
     from serve_app.input_processor import InputProcessor
 
 logger = logging.getLogger(__name__)
@@ -104,9 +105,14 @@ class VLLMBackend(Backend):
     fed with vLLM's stats mapped onto our types."""
 
     @classmethod
-    def from_serve_config(cls, config: Any, stat_loggers: Sequence[Any] = (), fault_hook: Any = None) -> VLLMBackend:
+    def options_from_kwargs(cls, model: str, engine: dict[str, Any]) -> VLLMOptions:
+        """`engine` holds `VLLMOptions` names (checked without importing vllm)."""
+        return VLLMOptions.from_kwargs(**engine)
+
+    @classmethod
+    def from_config(cls, config: BackendConfig, stat_loggers: Sequence[Any] = (), fault_hook: Any = None) -> VLLMBackend:
         """`fault_hook` reaches only the native engine's stages: ignored here."""
-        return cls(config.model, config.vllm_options(), config.model_name, stat_loggers)
+        return cls(config.model, config.options, config.model_name, stat_loggers)
 
     def __init__(self, model: str, options: VLLMOptions, model_name: str = "", stat_loggers: Sequence[Any] = ()) -> None:
         self.model = model

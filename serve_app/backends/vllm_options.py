@@ -1,7 +1,7 @@
 """The vLLM backend's engine options: a frozen dataclass validated once, without importing vllm.
 
 `ServeConfig(backend="vllm", engine={...})` validates its `engine` mapping here on the driver (where
-vllm may not be installed), so a bad name or value fails at `serve run`, not inside a replica. The
+vllm may not be installed; `VLLMBackend.options_from_kwargs`), so a bad name or value fails at `serve run`, not inside a replica. The
 names follow the native engine's where the meaning is the same (`dtype`, `device`, `max_model_len`,
 `max_num_seqs`, `max_num_batched_tokens`, `block_size`, `enable_prefix_caching`,
 `kv_cache_memory_gib`, `seed`); the rest are vLLM's (`enforce_eager`, `gpu_memory_utilization`);
@@ -34,7 +34,7 @@ does it: Ray reserves them together with the replica. Which vLLM executor starts
   input into (an AssertionError at the first request, vllm/v1/worker/gpu_model_runner.py), so that
   combination is refused here.
 
-`speculative` is the native engine's option (`config.SpeculativeConfig`), mapped onto vLLM's
+`speculative` is the native engine's option (`engine.spec_decode.config.SpeculativeConfig`), mapped onto vLLM's
 `speculative_config`: `ngram` → vLLM's n-gram proposer with `num_speculative_tokens` = `k`, or `max_k`
 when `k` is 0 (vLLM has no adaptive length: it always proposes that many), `prompt_lookup_min/max` =
 `ngram_min/max`; `draft` → vLLM's `draft_model` method with `draft_model` as its model, which vLLM
@@ -50,7 +50,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
-from serve_app.speculative_config import SpeculativeConfig
+from serve_app.engine.spec_decode.config import SpeculativeConfig
+from serve_app.validation import require
 
 DTYPES = ("float32", "bfloat16", "float16")
 GIB = 1 << 30
@@ -60,17 +61,12 @@ GIB = 1 << 30
 _CORE_LIST = re.compile(r"^\d+(-\d+)?(,\d+(-\d+)?)*$")
 
 
-def _require(cond: bool, name: str, msg: str) -> None:
-    if not cond:
-        raise ValueError(f"{name}: {msg}")
-
-
 def split_cores(cpus: Sequence[int], ranks: int) -> str:
     """`VLLM_CPU_OMP_THREADS_BIND` for `ranks` engine ranks on `cpus`: contiguous groups of
     near-equal size in core order, the first ranks one core larger ("0,1,2|3,4"); with fewer cores
     than ranks, one core each, round-robin ("0|1|0"), so ranks share cores rather than fail."""
     cores = sorted(cpus)
-    _require(bool(cores) and ranks >= 1, "cpu_threads_bind", f"no cores to bind {ranks} rank(s) to")
+    require(bool(cores) and ranks >= 1, "cpu_threads_bind", f"no cores to bind {ranks} rank(s) to")
     if len(cores) < ranks:
         return "|".join(str(cores[r % len(cores)]) for r in range(ranks))
     size, extra = divmod(len(cores), ranks)
@@ -109,39 +105,39 @@ class VLLMOptions:
         object.__setattr__(self, "speculative", SpeculativeConfig.from_value(self.speculative))
         extra = self.engine_args.items() if isinstance(self.engine_args, dict) else self.engine_args
         object.__setattr__(self, "engine_args", tuple(sorted((str(k), v) for k, v in extra)))
-        _require(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
-        _require(self.device in ("cpu", "cuda"), "device", f"cpu or cuda (the GPU Ray assigned), got {self.device!r}")
+        require(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
+        require(self.device in ("cpu", "cuda"), "device", f"cpu or cuda (the GPU Ray assigned), got {self.device!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size", "pipeline_parallel_size"):
-            _require(isinstance(getattr(self, name), int) and getattr(self, name) >= 1, name, "must be an integer >= 1")
+            require(isinstance(getattr(self, name), int) and getattr(self, name) >= 1, name, "must be an integer >= 1")
         for name in ("max_model_len", "block_size", "cpu_reserved_cores"):
-            _require(isinstance(getattr(self, name), int) and getattr(self, name) >= 0, name, "must be an integer >= 0")
-        _require(self.block_size == 0 or self.block_size % 16 == 0, "block_size", "must be 0 (vLLM's default) or a multiple of 16")
-        _require(self.kv_cache_memory_gib > 0, "kv_cache_memory_gib", "must be > 0")
-        _require(0 <= self.gpu_memory_utilization < 1, "gpu_memory_utilization", "must be in [0, 1) (0: use kv_cache_memory_gib)")
-        _require(self.gpu_memory_utilization == 0 or self.device != "cpu", "gpu_memory_utilization", "applies to GPUs only")
+            require(isinstance(getattr(self, name), int) and getattr(self, name) >= 0, name, "must be an integer >= 0")
+        require(self.block_size == 0 or self.block_size % 16 == 0, "block_size", "must be 0 (vLLM's default) or a multiple of 16")
+        require(self.kv_cache_memory_gib > 0, "kv_cache_memory_gib", "must be > 0")
+        require(0 <= self.gpu_memory_utilization < 1, "gpu_memory_utilization", "must be in [0, 1) (0: use kv_cache_memory_gib)")
+        require(self.gpu_memory_utilization == 0 or self.device != "cpu", "gpu_memory_utilization", "applies to GPUs only")
         bind = self.cpu_threads_bind
-        _require(bind in ("", "auto", "nobind") or (len(bind.split("|")) == self.world_size and
+        require(bind in ("", "auto", "nobind") or (len(bind.split("|")) == self.world_size and
                                                    all(_CORE_LIST.match(g) for g in bind.split("|"))),
                  "cpu_threads_bind", f"'', 'auto', 'nobind' or {self.world_size} core list(s) separated by '|' "
                                      f"(one per rank, e.g. '0-3|4-7'), got {bind!r}")
-        _require(bind == "" or self.device == "cpu", "cpu_threads_bind", "applies to CPUs only")
-        _require(not (self.device == "cpu" and self.pipeline_parallel_size > 1 and self.enforce_eager),
+        require(bind == "" or self.device == "cpu", "cpu_threads_bind", "applies to CPUs only")
+        require(not (self.device == "cpu" and self.pipeline_parallel_size > 1 and self.enforce_eager),
                  "pipeline_parallel_size", "on CPU, vLLM's eager runner cannot run pipeline stages after the first: "
                                            "set enforce_eager: false (or use tensor_parallel_size)")
-        _require(self.speculative.method != "draft" or self.speculative.acceptance == "rejection", "speculative.acceptance",
+        require(self.speculative.method != "draft" or self.speculative.acceptance == "rejection", "speculative.acceptance",
                  "vLLM verifies a draft model's proposals by rejection sampling only: set acceptance: rejection")
         mine = {f.name for f in fields(self)}
         clash = sorted(mine & {k for k, _ in self.engine_args}) + sorted(
             {"model", "served_model_name", "kv_cache_memory_bytes", "disable_log_stats", "speculative_config"} & {k for k, _ in self.engine_args})
         own = {"speculative_config": "speculative"}  # engine_args names that an option of ours sets
-        _require(not clash, "engine_args",
+        require(not clash, "engine_args",
                  f"set {own.get(clash[0], clash[0])!r} as its own option, not through engine_args" if clash else "")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> VLLMOptions:
         known = {f.name for f in fields(cls)}
         for key in kwargs:
-            _require(key in known, key, f"not a vLLM backend option (known: {', '.join(sorted(known))})")
+            require(key in known, key, f"not a vLLM backend option (known: {', '.join(sorted(known))})")
         return cls(**kwargs)
 
     @property
@@ -162,7 +158,7 @@ class VLLMOptions:
 
     @property
     def kv_block_size(self) -> int:
-        """The serving layer's name for it (`config.BackendKind`)."""
+        """The serving layer's name for it (`backends.config.BackendConfig`)."""
         return self.effective_block_size
 
     def async_engine_args(self, model: str, served_model_name: str) -> dict[str, Any]:

@@ -33,7 +33,7 @@ import time
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 
-from serve_app.config import EngineConfig
+from serve_app.engine.config import EngineConfig
 from serve_app.engine.llm_engine import LLMEngine, StatLogger
 from serve_app.engine.request import Request
 from serve_app.faults import FaultHook, Stage

@@ -15,8 +15,8 @@ import time
 from collections.abc import Iterable
 from dataclasses import replace
 
-from serve_app.config import EngineConfig
 from serve_app.engine.block_manager import BlockManager
+from serve_app.engine.config import EngineConfig
 from serve_app.engine.grammar import GrammarCompiler
 from serve_app.engine.grammar_state import GrammarState
 from serve_app.engine.kv_events import KVEventLog

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from serve_app.config import EngineConfig
+from serve_app.engine.config import EngineConfig
 from serve_app.engine.llm_engine import LLMEngine, StatLogger
 from serve_app.types import GenerateRequest, RequestOutput, SamplingParams
 

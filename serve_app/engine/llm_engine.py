@@ -14,7 +14,7 @@ import time
 from collections.abc import Iterable
 from typing import Protocol
 
-from serve_app.config import EngineConfig
+from serve_app.engine.config import EngineConfig
 from serve_app.engine.engine_core import EngineCore
 from serve_app.engine.grammar import check_structured
 from serve_app.engine.output_processor import OutputProcessor

@@ -24,11 +24,11 @@ from typing import Any
 
 import torch
 
-from serve_app.config import CacheConfig, ModelConfig, SchedulerConfig
 from serve_app.engine import cpu_kernels
 from serve_app.engine.attention import WholeStepAttentionMetadata
 from serve_app.engine.attention_backends import make_varlen_attention, resolve_backend
 from serve_app.engine.attention_metadata import AttentionKernels, paged_metadata
+from serve_app.engine.config import CacheConfig, ModelConfig, SchedulerConfig
 from serve_app.engine.execution_paths import ExecutionPaths, limit_onednn_isa, resolve_linear
 from serve_app.engine.host_memory import zeroed_cpu_tensors
 from serve_app.engine.input_batch import InputBatch

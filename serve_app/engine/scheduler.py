@@ -24,8 +24,8 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 
-from serve_app.config import SchedulerConfig
 from serve_app.engine.block_manager import BlockManager
+from serve_app.engine.config import SchedulerConfig
 from serve_app.engine.outputs import (
     EngineCoreOutput,
     ModelRunnerOutput,

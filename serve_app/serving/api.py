@@ -38,9 +38,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from serve_app.backends.base import ModelInfo
-from serve_app.config import ServeConfig
 from serve_app.serving.api_keys import Keyring
 from serve_app.serving.cache_salt import cache_salt
+from serve_app.serving.config import ServeConfig
 from serve_app.serving.errors import APIError, to_api_error, validation_error
 from serve_app.serving.health_status import HealthStatus
 from serve_app.serving.middleware import (

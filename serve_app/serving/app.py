@@ -15,11 +15,10 @@ from typing import Any
 from ray.serve import Application, Deployment
 from ray.serve.config import RequestRouterConfig
 
-from serve_app.config import ServeConfig
+from serve_app.serving.config import ServeConfig
 from serve_app.serving.ingress import OpenAIIngress
 from serve_app.serving.llm_server import ABORT_GRACE_S, LLMServer
 from serve_app.serving.placement import replica_placement
-from serve_app.serving.routing_policy import ROUTER_CLASSES
 
 logger = logging.getLogger(__name__)
 
@@ -38,28 +37,16 @@ def resolve_model_path(model: str) -> str:
 
 
 def request_router_config(config: ServeConfig) -> RequestRouterConfig:
-    """The LLMServer router: `request_router_class` if set, else the `router` by name, with its kwargs."""
-    router_class = config.request_router_class or ROUTER_CLASSES[config.router]
-    kwargs: dict[str, Any] = {}
-    same = lambda name: router_class.replace(":", ".") == ROUTER_CLASSES[name].replace(":", ".")  # noqa: E731
-    if same("kv_aware") or same("prefix_aware"):
-        kwargs = {"model_name": config.model_name, "block_size": config.kv_block_size,
-                  "stats_period_s": config.request_routing_stats_period_s,
-                  # no request outlives its timeout: a ledger entry older than that lost its completion
-                  "confirmed_ttl_s": config.request_timeout_s + 60.0}
-        if same("prefix_aware") and config.step_token_budget is not None:
-            kwargs["step_token_budget"] = config.step_token_budget
-        kwargs.update(dict(config.router_kwargs))
-    elif same("round_robin"):
-        kwargs = {"model_name": config.model_name}
-    return RequestRouterConfig(request_router_class=router_class, request_router_kwargs=kwargs,
-                               request_routing_stats_period_s=config.request_routing_stats_period_s)
+    """The LLMServer router of `config.routing` (built and validated with the config)."""
+    routing = config.routing
+    return RequestRouterConfig(request_router_class=routing.router_class, request_router_kwargs=routing.request_router_kwargs,
+                               request_routing_stats_period_s=routing.stats_period_s)
 
 
 def llm_server_app(config: ServeConfig, deployment: Deployment = LLMServer) -> Application:
     """The LLMServer deployment (or `deployment`, a class made like it) with the options of `config`, bound."""
     placement = replica_placement(config)
-    autoscaling = config.autoscaling_settings()
+    autoscaling = config.autoscaling_settings
     # autoscaling: Serve scales between min and max replicas on load; otherwise a fixed count
     scaling = {"autoscaling_config": autoscaling.to_serve()} if autoscaling else {"num_replicas": config.num_replicas}
     return deployment.options(
@@ -77,7 +64,7 @@ def llm_server_app(config: ServeConfig, deployment: Deployment = LLMServer) -> A
 
 
 def build_app_from_config(config: ServeConfig) -> Application:
-    autoscaling = config.autoscaling_settings()
+    autoscaling = config.autoscaling_settings
     server = llm_server_app(config)
     ingress = OpenAIIngress.options(
         num_replicas=config.ingress_num_replicas,
@@ -94,10 +81,14 @@ def build_app_from_config(config: ServeConfig) -> Application:
     return ingress
 
 
-def build_app(args: dict[str, Any]) -> Application:
-    """Serve application builder (`import_path: serve_app.serving.app:build_app`)."""
-    args = dict(args)
+def load_serve_config(args: dict[str, Any]) -> ServeConfig:
+    """A Serve YAML's `args`, validated once into the `ServeConfig` every deployment receives (the
+    model path made absolute first)."""
     if "model" not in args:
         raise ValueError("model: a model directory is required")
-    args["model"] = resolve_model_path(str(args["model"]))
-    return build_app_from_config(ServeConfig.from_dict(args))
+    return ServeConfig.from_dict({**args, "model": resolve_model_path(str(args["model"]))})
+
+
+def build_app(args: dict[str, Any]) -> Application:
+    """Serve application builder (`import_path: serve_app.serving.app:build_app`)."""
+    return build_app_from_config(load_serve_config(args))

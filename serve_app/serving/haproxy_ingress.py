@@ -36,10 +36,10 @@ from fastapi.responses import JSONResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from serve_app.config import ServeConfig
 from serve_app.metrics.api_metrics import APIMetrics
 from serve_app.serving.api import OpenAIAPI, build_fastapi_app
-from serve_app.serving.app import llm_server_app, resolve_model_path
+from serve_app.serving.app import llm_server_app, load_serve_config
+from serve_app.serving.config import ServeConfig
 from serve_app.serving.haproxy_env import HAPROXY
 from serve_app.serving.ingress import load_keyring, make_input_processor
 from serve_app.serving.llm_server import LLMServer
@@ -181,8 +181,7 @@ def build_haproxy_app(args: dict[str, Any]) -> serve.Application:
     if os.environ.get(HAPROXY) != "1":
         raise ValueError(f"build_haproxy_app: the LLMServer replicas are the HTTP ingress only behind HAProxy; "
                          f"start Ray with {HAPROXY}=1 (serve_app.serving.haproxy_env)")
-    args = {**args, "model": resolve_model_path(str(args["model"])), "stream_multiplexing": False}
-    config = ServeConfig.from_dict(args)
+    config = load_serve_config({**args, "stream_multiplexing": False})
     server = llm_server_app(config, serve.deployment(IngressLLMServer, name="LLMServer"))
     router = serve.deployment(PrefixIngressRouter, name="IngressRouter", max_ongoing_requests=1000,
                               ray_actor_options={"num_cpus": 0}).bind(server, config)

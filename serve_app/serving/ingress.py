@@ -30,10 +30,10 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from serve_app.backends.base import ModelInfo
-from serve_app.config import ServeConfig
 from serve_app.metrics.api_metrics import APIMetrics
 from serve_app.serving.api import OpenAIAPI, build_fastapi_app
 from serve_app.serving.api_keys import Keyring
+from serve_app.serving.config import ServeConfig
 from serve_app.serving.exposure import check_exposure, serve_http_host
 from serve_app.serving.stream_mux import MuxReceiver
 

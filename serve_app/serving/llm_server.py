@@ -48,9 +48,9 @@ from ray import serve
 
 from serve_app.backends import Backend, BackendDeadError, ModelInfo, make_backend
 from serve_app.block_hash import prompt_block_keys
-from serve_app.config import ServeConfig
 from serve_app.faults import Stage
 from serve_app.metrics.loggers import RayStatLogger
+from serve_app.serving.config import ServeConfig
 from serve_app.serving.delta_channel import ChannelAddress
 from serve_app.serving.drain import shutdown_probe
 from serve_app.serving.engine_watch import EngineWatch
@@ -122,7 +122,7 @@ class LLMServer:
 
     async def __init__(self, config: ServeConfig) -> None:
         self.config = config
-        if config.device == "cpu":
+        if config.backend_config.device == "cpu":
             threads = configure_torch_threads(config.torch_num_threads)
         else:
             threads = 0
@@ -132,11 +132,11 @@ class LLMServer:
         self._stat_loggers = stat_loggers
         # tests only: per-request fault injection (serve_app/faults.py)
         self._faults = import_attr(config.fault_hook_factory)(config) if config.fault_hook_factory else None
-        self.backend: Backend = make_backend(config, stat_loggers, self._faults)
+        self.backend: Backend = make_backend(config.backend_config, stat_loggers, self._faults)
         await self.backend.start()
         self._info = self.backend.model_info()
         self._in_flight: dict[str, asyncio.Task] = {}  # open `generate` calls by request id
-        self._pending = PendingPrefixes(config.kv_block_size)  # prompts not yet prefilled (routers read them)
+        self._pending = PendingPrefixes(config.backend_config.kv_block_size)  # prompts not yet prefilled (routers read them)
         self._heap = IdleHeapTrimmer()
         self._cut: set[str] = set()  # requests the drain cancelled (their streams end with an abort chunk)
         # multiplexed streams, per ingress

@@ -16,19 +16,19 @@ from __future__ import annotations
 
 from typing import Any
 
-from serve_app.config import ServeConfig
+from serve_app.serving.config import ServeConfig
 
 
 def replica_placement(config: ServeConfig) -> dict[str, Any]:
     """Keyword arguments for `LLMServer.options(...)`: `ray_actor_options` and, for a multi-rank
     engine, `placement_group_bundles` and `placement_group_strategy`."""
     actor: dict[str, Any] = {"num_cpus": config.num_cpus_per_replica}
-    ranks = config.world_size
+    ranks = config.backend_config.world_size
     if ranks == 1:
         if config.num_gpus_per_replica:
             actor["num_gpus"] = config.num_gpus_per_replica
         return {"ray_actor_options": actor}
-    rank_bundle = {"GPU": 1} if config.device != "cpu" else {"CPU": 1}
+    rank_bundle = {"GPU": 1} if config.backend_config.device != "cpu" else {"CPU": 1}
     return {
         "ray_actor_options": actor,
         "placement_group_bundles": [{"CPU": config.num_cpus_per_replica}] + [dict(rank_bundle) for _ in range(ranks)],

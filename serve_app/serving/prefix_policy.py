@@ -46,7 +46,8 @@ from collections.abc import Container, Sequence
 from dataclasses import dataclass
 
 from serve_app.block_hash import leading_run, max_cacheable_blocks
-from serve_app.serving.routing_policy import KVRouterSettings, ReplicaView
+from serve_app.serving.routing_config import KVRouterSettings
+from serve_app.serving.routing_policy import ReplicaView
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,8 @@ from serve_app.serving.prefix_policy import (
 )
 from serve_app.serving.request_size import estimate_request_blocks, find_request
 from serve_app.serving.router import KVCacheAwareRouter, logger
-from serve_app.serving.routing_policy import KVRouterSettings, rank_replicas
+from serve_app.serving.routing_config import KVRouterSettings
+from serve_app.serving.routing_policy import rank_replicas
 
 EXPIRE_PER_DECISION = 256  # expiry records one decision may look at (more than one decision ever adds)
 

@@ -12,7 +12,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from serve_app.serving.routing_policy import KVRouterSettings
+from serve_app.serving.routing_config import KVRouterSettings
 
 # ChatML overhead per message ("<|im_start|>role\n" ... "<|im_end|>\n") and for the assistant prefix
 CHAT_TOKENS_PER_MESSAGE = 5

@@ -41,9 +41,9 @@ from ray.serve.request_router import (
 
 from serve_app.serving.replica_sample import ReplicaSample
 from serve_app.serving.request_size import estimate_prompt_tokens, estimate_request_blocks, find_request
+from serve_app.serving.routing_config import KVRouterSettings
 from serve_app.serving.routing_ledger import InFlightLedger
 from serve_app.serving.routing_policy import (
-    KVRouterSettings,
     ReplicaView,
     estimate_occupancy,
     estimate_score,

@@ -1,5 +1,5 @@
-"""KV-cache-aware routing policy, free of Ray: its settings, each replica's estimated occupancy and
-prefill backlog, and the ranking.
+"""KV-cache-aware routing policy, free of Ray: each replica's estimated occupancy and prefill
+backlog, and the ranking (its settings: `routing_config.KVRouterSettings`).
 
 `serve_app.serving.router.KVCacheAwareRouter` is the Ray Serve adapter around these pieces
 (docs/routing.md); keeping them free of Ray makes every decision testable without a cluster. The
@@ -56,86 +56,11 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
-from typing import Any
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 from serve_app.serving.replica_sample import ReplicaSample
-from serve_app.validation import require
-
-# The routers `ServeConfig.router` selects (import paths, so this module needs no Ray import).
-ROUTER_CLASSES: dict[str, str] = {
-    "prefix_aware": "serve_app.serving.prefix_router:PrefixAwareRouter",
-    "kv_aware": "serve_app.serving.router:KVCacheAwareRouter",
-    "round_robin": "serve_app.serving.router:RoundRobinRouter",
-    "pow2": "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter",  # Serve's default
-}
-
-
-@dataclass(frozen=True)
-class KVRouterSettings:
-    """`request_router_kwargs` of `KVCacheAwareRouter`; unknown names or bad values raise ValueError."""
-
-    model_name: str = ""  # the `model` label of the router metrics
-    block_size: int = 16  # tokens per KV block (the engine's `block_size`)
-    prompt_weight: float = 1.0  # weight of prompt tokens in a request's block estimate
-    output_weight: float = 1.0  # expected fraction of max_tokens that a request generates
-    max_expected_output_tokens: int = 1024  # caps max_tokens (chat defaults it to the whole context)
-    chars_per_token: float = 4.0  # text prompts are not tokenized by the router
-    waiting_weight: float = 1.0  # weight of a replica's waiting queue (× mean request blocks); 0: tie-break only
-    prefill_weight: float = 1.0  # weight of a replica's unread prompt tokens (÷ its cache's tokens); 0: KV only
-    tie_tolerance: float = 0.02  # occupancies within this of the best are ties
-    max_stats_age_s: float = 0.0  # older samples are stale; 0: max(2 s, 10 × stats_period_s)
-    stats_period_s: float = 0.5  # the deployment's request_routing_stats_period_s
-    sample_lag_s: float = 1.0  # a request routed this long before a sample may still be missing from it
-    reservation_ttl_s: float = 60.0  # drop a choice Serve never confirmed (routed / completed) after this
-    # drop a confirmed request whose completion was never reported after this (a lost callback must
-    # not make a replica look full forever); the app sets it from request_timeout_s
-    confirmed_ttl_s: float = 900.0
-    # prefix-aware router (prefix_policy): predicted time to first token, in seconds
-    step_token_budget: int = 512  # tokens per engine step (the engine's max_num_batched_tokens)
-    default_prefill_s_per_token: float = 0.001  # until a replica publishes its own step-cost fit
-    default_decode_s_per_token: float = 0.001
-    default_step_fixed_s: float = 0.02
-    max_occupancy: float = 1.0  # a projection above this forces preemption: only if no replica has room
-    ttft_tie_tolerance_s: float = 0.01  # predicted TTFTs within ratio × best + this are ties (user, cached, affinity)
-    ttft_tie_ratio: float = 0.1
-    # seconds of prefill a replica would spend recomputing prefix blocks another replica holds count
-    # this many times against it (the work is taken from the requests queued behind it, and the copy
-    # evicts other prefixes there): 0 ranks by this request's predicted TTFT alone
-    recompute_weight: float = 2.0
-    affinity_blocks: int = 4  # ties go by a rendezvous hash of the prompt's first this many blocks
-    metrics: str = "ray"  # "ray" (ray.serve.metrics), "prometheus" (own registry, for tests) or "none"
-    seed: int | None = None  # random tie-break among equal replicas
-
-    def __post_init__(self) -> None:
-        require(isinstance(self.block_size, int) and self.block_size >= 1, "block_size", "must be an integer >= 1")
-        for name in ("prompt_weight", "output_weight", "waiting_weight", "prefill_weight", "tie_tolerance", "sample_lag_s",
-                     "max_stats_age_s", "default_prefill_s_per_token", "default_decode_s_per_token", "default_step_fixed_s",
-                     "ttft_tie_tolerance_s", "ttft_tie_ratio", "recompute_weight"):
-            value = getattr(self, name)
-            require(isinstance(value, int | float) and value >= 0 and math.isfinite(value), name, "must be a finite number >= 0")
-        require(isinstance(self.max_expected_output_tokens, int) and self.max_expected_output_tokens >= 0,
-                 "max_expected_output_tokens", "must be an integer >= 0")
-        for name in ("step_token_budget", "affinity_blocks"):
-            require(isinstance(getattr(self, name), int) and getattr(self, name) >= 1, name, "must be an integer >= 1")
-        for name in ("chars_per_token", "stats_period_s", "reservation_ttl_s", "confirmed_ttl_s", "max_occupancy"):
-            value = getattr(self, name)
-            require(isinstance(value, int | float) and value > 0, name, "must be > 0")
-        require(self.metrics in ("ray", "prometheus", "none"), "metrics", "must be 'ray', 'prometheus' or 'none'")
-        if self.max_stats_age_s == 0:
-            # lenient: on a busy machine the controller's poll and broadcast lag by a second or more,
-            # and a needless fallback to least-in-flight ignores load this router did not send
-            object.__setattr__(self, "max_stats_age_s", max(2.0, 10 * self.stats_period_s))
-
-    @classmethod
-    def from_kwargs(cls, kwargs: Mapping[str, Any] | None = None) -> KVRouterSettings:
-        kwargs = dict(kwargs or {})
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(kwargs) - known)
-        if unknown:
-            raise ValueError(f"{unknown[0]}: not a KVCacheAwareRouter option (known: {', '.join(sorted(known))})")
-        return cls(**kwargs)
+from serve_app.serving.routing_config import KVRouterSettings
 
 
 # ---- ranking -----------------------------------------------------------------------------------------

@@ -8,8 +8,8 @@ import pickle
 import pytest
 from ray.serve.config import AutoscalingConfig
 
-from serve_app.config import ServeConfig
 from serve_app.serving.autoscaling import AutoscalingSettings
+from serve_app.serving.config import ServeConfig
 
 SCALING = {"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 32}
 
@@ -23,7 +23,7 @@ def test_settings_are_frozen_picklable_and_serve_compatible():
     assert cfg.autoscaling == (("max_replicas", 4), ("min_replicas", 1), ("target_ongoing_requests", 32),
                                ("upscale_delay_s", 10))
     assert pickle.loads(pickle.dumps(cfg)) == cfg
-    settings = cfg.autoscaling_settings()
+    settings = cfg.autoscaling_settings
     assert settings == AutoscalingSettings(max_replicas=4, target_ongoing_requests=32, upscale_delay_s=10)
     serve = AutoscalingConfig(**settings.to_serve())  # Serve accepts exactly what we pass
     assert (serve.min_replicas, serve.max_replicas, serve.target_ongoing_requests) == (1, 4, 32)
@@ -34,7 +34,7 @@ def test_settings_are_frozen_picklable_and_serve_compatible():
 @pytest.mark.parametrize("value", [None, {}])
 def test_unset_means_a_fixed_replica_count(value):
     cfg = serve_config(num_replicas=3, autoscaling=value)
-    assert cfg.autoscaling == () and cfg.autoscaling_settings() is None
+    assert cfg.autoscaling == () and cfg.autoscaling_settings is None
 
 
 @pytest.mark.parametrize(("autoscaling", "overrides", "field"), [
@@ -63,7 +63,7 @@ def test_bad_settings_raise_naming_the_field(autoscaling, overrides, field):
 
 def test_scale_to_zero_is_allowed():
     cfg = serve_config(autoscaling={**SCALING, "min_replicas": 0, "downscale_to_zero_delay_s": 900})
-    assert AutoscalingConfig(**cfg.autoscaling_settings().to_serve()).min_replicas == 0
+    assert AutoscalingConfig(**cfg.autoscaling_settings.to_serve()).min_replicas == 0
 
 
 def test_app_passes_autoscaling_instead_of_num_replicas(model_dir):

@@ -13,7 +13,7 @@ import tomllib
 import pytest
 import yaml
 
-from serve_app.config import ServeConfig
+from serve_app.serving.config import ServeConfig
 from tests.deploy.manifests import (
     CLUSTER_LAUNCHER,
     CONFIG_DIR,
@@ -82,7 +82,7 @@ def test_start_commands_are_valid_ray_start_options(cluster_config):
 
 def test_gpu_workers_cover_the_gpu_config_autoscaling(cluster_config):
     config = gpu_app_config()
-    scaling = config.autoscaling_settings()
+    scaling = config.autoscaling_settings
     workers = {name: t for name, t in cluster_config["available_node_types"].items()
                if name != cluster_config["head_node_type"]}
     (gpu,) = [t for t in workers.values() if t["resources"].get("GPU")]

@@ -14,7 +14,7 @@ import ray
 import yaml
 from ray._private import ray_constants
 
-from serve_app.config import ServeConfig
+from serve_app.serving.config import ServeConfig
 from tests.deploy.manifests import (
     NETWORKPOLICY,
     PODMONITOR,
@@ -108,7 +108,7 @@ def test_one_gpu_per_worker_pod_and_one_per_llm_replica(service, app_config):
     tolerations = gpu["template"]["spec"].get("tolerations", [])
     assert any(t["key"] == "nvidia.com/gpu" for t in tolerations), "GPU nodes are usually tainted"
     # autoscaling bounds fit the worker group: every LLMServer replica can get a GPU
-    scaling = app_config.autoscaling_settings()
+    scaling = app_config.autoscaling_settings
     assert scaling is not None, "the RayService autoscales LLMServer"
     assert scaling.max_replicas * app_config.num_gpus_per_replica <= gpu["maxReplicas"] * gpus_per_pod
     assert scaling.min_replicas * app_config.num_gpus_per_replica <= gpu["minReplicas"] * gpus_per_pod

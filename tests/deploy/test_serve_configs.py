@@ -16,8 +16,8 @@ import yaml
 from ray.serve.request_router import RequestRouter
 from ray.serve.schema import ServeDeploySchema
 
-from serve_app.config import ServeConfig
-from serve_app.serving.routing_policy import ROUTER_CLASSES
+from serve_app.serving.config import ServeConfig
+from serve_app.serving.routing_config import ROUTER_CLASSES
 from tests.deploy.manifests import CONFIG_DIR, DOCKERFILE, rayservice, serve_configs
 
 CONFIGS = serve_configs()
@@ -70,7 +70,7 @@ def test_config_validates_and_builds(label):
         expected = config.request_router_class or ROUTER_CLASSES[config.router]
         assert router_config.request_router_class.replace(":", ".") == expected.replace(":", ".")
         assert server.ray_actor_options.get("num_gpus", 0) == config.num_gpus_per_replica
-        scaling = config.autoscaling_settings()
+        scaling = config.autoscaling_settings
         serve_scaling = server._deployment_config.autoscaling_config
         if scaling is None:
             assert serve_scaling is None and server._deployment_config.num_replicas == config.num_replicas
@@ -91,10 +91,10 @@ def test_router_class_paths_resolve(name):
 def test_gpu_configs_autoscale_one_gpu_per_replica(label):
     for application in CONFIGS[label]["applications"]:
         config = ServeConfig.from_dict(local_args(application["args"]))
-        if config.device != "cuda":
+        if config.backend_config.device != "cuda":
             continue
-        scaling = config.autoscaling_settings()
-        ranks = config.vllm_options().world_size if config.backend == "vllm" else 1
+        scaling = config.autoscaling_settings
+        ranks = config.backend_config.world_size
         # one GPU per replica, or (tensor / pipeline parallel) one per rank in the replica's placement group
         assert config.num_gpus_per_replica == (1 if ranks == 1 else 0), label
         assert scaling is not None and scaling.max_replicas > scaling.min_replicas >= 1, label

@@ -5,8 +5,8 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from serve_app.config import SchedulerConfig
 from serve_app.engine.block_manager import BlockManager
+from serve_app.engine.config import SchedulerConfig
 from serve_app.engine.outputs import ModelRunnerOutput
 from serve_app.engine.request import Request
 from serve_app.engine.scheduler import Scheduler

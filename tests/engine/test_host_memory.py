@@ -33,7 +33,7 @@ def test_advice_is_accepted_on_linux():
 
 
 def test_engine_caches_come_from_it(model_dir):
-    from serve_app.config import EngineConfig
+    from serve_app.engine.config import EngineConfig
     from serve_app.engine.model_runner import ModelRunner
 
     cfg = EngineConfig.from_kwargs(model_dir, dtype="bfloat16", num_blocks=40)

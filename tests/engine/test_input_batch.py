@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from serve_app.config import CacheConfig, EngineConfig
+from serve_app.engine.config import CacheConfig, EngineConfig
 from serve_app.engine.input_batch import InputBatch
 from serve_app.engine.outputs import ScheduledRequest
 from serve_app.types import SamplingParams

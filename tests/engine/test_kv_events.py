@@ -9,8 +9,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from serve_app.block_hash import block_key, prefix_block_hashes
-from serve_app.config import SchedulerConfig
 from serve_app.engine.block_manager import BlockManager
+from serve_app.engine.config import SchedulerConfig
 from serve_app.engine.kv_events import KVCachePublisher, KVEventLog
 from serve_app.engine.request import Request
 from serve_app.engine.scheduler import Scheduler

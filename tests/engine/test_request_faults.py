@@ -9,8 +9,8 @@ import asyncio
 
 import pytest
 
-from serve_app.config import EngineConfig
 from serve_app.engine.async_engine import AsyncLLMEngine
+from serve_app.engine.config import EngineConfig
 from serve_app.faults import Stage
 from serve_app.types import GenerateRequest, RequestFailedError, SamplingParams
 from tests.serving.faults import RequestFaults, fault_user

@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from serve_app.config import ModelConfig
 from serve_app.engine import LLM, cpu_kernels
+from serve_app.engine.config import ModelConfig
 from serve_app.engine.models.llama import _packed_fp32_logits, _packed_linear
 from serve_app.engine.models.row_invariance import (
     UNTILED,

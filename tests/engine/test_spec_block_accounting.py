@@ -10,16 +10,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from serve_app.block_hash import extend_block_hashes
-from serve_app.config import SchedulerConfig
 from serve_app.engine.block_manager import BlockManager, cdiv
+from serve_app.engine.config import SchedulerConfig
 from serve_app.engine.outputs import ModelRunnerOutput
 from serve_app.engine.request import Request
 from serve_app.engine.scheduler import Scheduler
 from serve_app.engine.spec_decode.acceptance import accept
+from serve_app.engine.spec_decode.config import SpeculativeConfig
 from serve_app.engine.spec_decode.proposer import Proposal
 from serve_app.engine.spec_decode.speculator import Speculator
 from serve_app.engine.step_cost import StepCostFit
-from serve_app.speculative_config import SpeculativeConfig
 from serve_app.types import SamplingParams
 
 BLOCK = 4

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from serve_app.config import EngineConfig
+from serve_app.engine.config import EngineConfig
 from serve_app.engine.spec_decode.acceptance import accept
+from serve_app.engine.spec_decode.config import SpeculativeConfig
 from serve_app.engine.spec_decode.policy import AcceptanceTracker, choose_k
 from serve_app.engine.spec_decode.proposer import NgramProposer, Proposal, SpecCandidate
 from serve_app.engine.spec_decode.speculator import Speculator
 from serve_app.engine.step_cost import StepCost, StepCostFit
-from serve_app.speculative_config import SpeculativeConfig
 
 # a step on 2 CPU cores: 20 ms fixed (Python and ops over 30 layers), 1.5 ms per decode token
 CPU_COST = StepCost(fixed_s=0.020, per_prefill_token_s=0.0004, per_decode_token_s=0.0015, num_steps=100)

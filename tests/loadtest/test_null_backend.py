@@ -15,7 +15,7 @@ from tokenizers import Tokenizer
 
 from loadtest.null_backend import NullBackend, NullEngineOptions
 from serve_app.backends import make_backend
-from serve_app.config import ServeConfig
+from serve_app.serving.config import ServeConfig
 from serve_app.types import FinishReason, GenerateRequest, SamplingParams
 
 REPO = Path(__file__).resolve().parents[2]
@@ -44,15 +44,15 @@ def request(rid: str, max_tokens: int, prompt: str | list[int] = "Hello there") 
 
 def test_config_hook_validates_the_plugin_and_its_options():
     cfg = config(step_time_s=0.005, max_num_seqs=8, block_size=32)
-    assert cfg.backend_options() == NullEngineOptions(step_time_s=0.005, max_num_seqs=8, block_size=32)
-    assert cfg.kv_block_size == 32 and cfg.device == "none"
-    assert isinstance(make_backend(cfg), NullBackend)
+    assert cfg.backend_config.options == NullEngineOptions(step_time_s=0.005, max_num_seqs=8, block_size=32)
+    assert cfg.backend_config.kv_block_size == 32 and cfg.backend_config.device == "none"
+    assert isinstance(make_backend(cfg.backend_config), NullBackend)
     with pytest.raises(ValueError, match="^step_time_s:"):
         config(step_time_s=0)
     with pytest.raises(ValueError, match="^dtype: not a null-engine option"):
         config(dtype="bfloat16")
     with pytest.raises(ValueError, match="^backend: .* is not a Backend class"):
-        ServeConfig(model=str(MODEL_DIR), backend="serve_app.config:ServeConfig")
+        ServeConfig(model=str(MODEL_DIR), backend="serve_app.serving.config:ServeConfig")
     with pytest.raises(ValueError, match="^backend: cannot import"):
         ServeConfig(model=str(MODEL_DIR), backend="no_such_module:Backend")
     with pytest.raises(ValueError, match="^backend: must be one of"):
@@ -66,7 +66,7 @@ async def collect(backend: NullBackend, req: GenerateRequest) -> list:
 def test_streams_real_text_in_batches_with_stats_and_frees_every_block():
     async def run():
         stats = RecordingLogger()
-        backend = NullBackend.from_serve_config(config(step_time_s=0.001, max_num_seqs=3, num_blocks=64), [stats])
+        backend = NullBackend.from_config(config(step_time_s=0.001, max_num_seqs=3, num_blocks=64).backend_config, [stats])
         await backend.start()
         try:
             results = await asyncio.gather(*(collect(backend, request(f"r{i}", 5 + i)) for i in range(5)))
@@ -97,7 +97,7 @@ def test_streams_real_text_in_batches_with_stats_and_frees_every_block():
 def test_leaving_a_stream_aborts_it_and_frees_its_blocks_and_bad_input_is_rejected():
     async def run():
         stats = RecordingLogger()
-        backend = NullBackend.from_serve_config(config(step_time_s=0.001, num_blocks=64, block_size=4), [stats])
+        backend = NullBackend.from_config(config(step_time_s=0.001, num_blocks=64, block_size=4).backend_config, [stats])
         await backend.start()
         try:
             with pytest.raises(ValueError, match="^prompt:"):

@@ -6,7 +6,7 @@ import dataclasses
 import math
 
 from serve_app.serving.request_size import estimate_prompt_tokens, estimate_request_blocks, find_request
-from serve_app.serving.routing_policy import KVRouterSettings
+from serve_app.serving.routing_config import KVRouterSettings
 from serve_app.types import GenerateRequest, SamplingParams
 from tests.router.fakes import gen_request
 

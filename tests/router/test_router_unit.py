@@ -7,10 +7,10 @@ import asyncio
 
 import pytest
 
-from serve_app.config import ServeConfig
 from serve_app.serving.app import request_router_config
+from serve_app.serving.config import ServeConfig
 from serve_app.serving.router import KVCacheAwareRouter, RoundRobinRouter
-from serve_app.serving.routing_policy import ROUTER_CLASSES, KVRouterSettings
+from serve_app.serving.routing_config import ROUTER_CLASSES, KVRouterSettings
 from serve_app.types import GenerateRequest, SamplingParams
 from tests.router.fakes import BLOCK_SIZE, Clock, FakeReplica, gen_request, make_router, pending, route
 
@@ -461,8 +461,9 @@ def test_router_selection_by_config():
     model = "models/whatever"
     kv = request_router_config(ServeConfig(model=model, router="kv_aware", router_kwargs={"waiting_weight": 0.5}))
     assert kv.request_router_class == ROUTER_CLASSES["kv_aware"]
-    assert kv.request_router_kwargs == {"model_name": "whatever", "block_size": 16, "stats_period_s": 0.5,
-                                        "confirmed_ttl_s": 660.0, "waiting_weight": 0.5}
+    # the settings are complete and validated with the config: the router rebuilds the same object from them
+    assert KVRouterSettings.from_kwargs(kv.request_router_kwargs) == KVRouterSettings(
+        model_name="whatever", block_size=16, stats_period_s=0.5, confirmed_ttl_s=660.0, waiting_weight=0.5)
     # the default: the prefix-aware router, with the engine's step budget
     prefix = request_router_config(ServeConfig(model=model))
     assert prefix.request_router_class == ROUTER_CLASSES["prefix_aware"]

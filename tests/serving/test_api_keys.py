@@ -13,10 +13,10 @@ import os
 import httpx
 import pytest
 
-from serve_app.config import ServeConfig
 from serve_app.metrics.api_metrics import APIMetrics
 from serve_app.serving.api import OpenAIAPI, build_fastapi_app
 from serve_app.serving.api_keys import Keyring, KeyringError, parse_keys_file
+from serve_app.serving.config import ServeConfig
 from serve_app.serving.exposure import UnauthenticatedExposure, check_exposure, is_loopback
 from tests.serving.test_api_unit import INFO, FakeHandle, ok_script
 

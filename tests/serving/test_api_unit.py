@@ -19,8 +19,8 @@ from ray.exceptions import ActorDiedError, RayTaskError
 from ray.serve.exceptions import BackPressureError
 
 from serve_app.backends.base import BackendDeadError, ModelInfo
-from serve_app.config import ServeConfig
 from serve_app.serving.api import OpenAIAPI, build_fastapi_app
+from serve_app.serving.config import ServeConfig
 from serve_app.serving.llm_server import GenerationChunk
 from serve_app.types import GenerateRequest
 

@@ -12,8 +12,8 @@ import yaml
 from ray.exceptions import RayTaskError
 from ray.serve.schema import ServeDeploySchema
 
-from serve_app.config import ServeConfig
 from serve_app.serving import app as app_module
+from serve_app.serving.config import ServeConfig
 from serve_app.serving.errors import to_api_error, validation_error
 from serve_app.serving.openai_protocol import (
     ChatCompletionRequest,
@@ -54,7 +54,7 @@ def test_serve_config_is_frozen_and_picklable():
 
     cfg = ServeConfig.from_dict({"model": "models/x", "engine": {"max_num_seqs": 4, "dtype": "bfloat16"}})
     assert cfg.engine == (("dtype", "bfloat16"), ("max_num_seqs", 4))
-    assert cfg.engine_config().scheduler.max_num_seqs == 4 and cfg.model_name == "x"
+    assert cfg.backend_config.options.scheduler.max_num_seqs == 4 and cfg.model_name == "x"
     assert pickle.loads(pickle.dumps(cfg)) == cfg
     with pytest.raises(AttributeError):
         cfg.num_replicas = 3  # type: ignore[misc]
@@ -71,11 +71,11 @@ def test_shipped_serve_configs_validate(name):
     if name == "local.yaml":
         assert schema.http_options.host == "127.0.0.1"
         assert cfg.num_replicas == 2 and cfg.num_cpus_per_replica <= 0.5 and cfg.num_gpus_per_replica == 0
-        assert cfg.engine_config().model.device == "cpu"
+        assert cfg.backend_config.options.model.device == "cpu"
         assert cfg.request_routing_stats_period_s <= 1.0
     else:
-        assert cfg.num_gpus_per_replica == 1 and cfg.engine_config().model.device == "cuda"
-        assert cfg.engine_config().model.dtype == "bfloat16"
+        assert cfg.num_gpus_per_replica == 1 and cfg.backend_config.options.model.device == "cuda"
+        assert cfg.backend_config.options.model.dtype == "bfloat16"
 
 
 def test_build_app_resolves_model_path(monkeypatch, tmp_path):
@@ -132,9 +132,9 @@ def test_completion_request_mapping():
 
 def test_speculative_engine_option_and_per_request_opt_out():
     cfg = ServeConfig.from_dict({"model": "models/x", "engine": {"speculative": {"method": "ngram", "max_k": 6}}})
-    spec = cfg.engine_config().speculative
+    spec = cfg.backend_config.options.speculative
     assert spec.enabled and (spec.max_k, spec.k) == (6, 0)  # adaptive by default
-    assert not ServeConfig.from_dict({"model": "models/x"}).engine_config().speculative.enabled  # absent: off
+    assert not ServeConfig.from_dict({"model": "models/x"}).backend_config.options.speculative.enabled  # absent: off
     assert CompletionRequest.model_validate({"model": "m", "prompt": "hi"}).sampling_params(100).speculative
     opted_out = CompletionRequest.model_validate({"model": "m", "prompt": "hi", "speculative": False})
     assert opted_out.sampling_params(100).speculative is False

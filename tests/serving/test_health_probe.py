@@ -11,9 +11,9 @@ import time
 import httpx
 import pytest
 
-from serve_app.config import ServeConfig
 from serve_app.serving.api import OpenAIAPI, build_fastapi_app
 from serve_app.serving.api_keys import Keyring
+from serve_app.serving.config import ServeConfig
 from serve_app.serving.health_status import HealthStatus
 from tests.serving.test_api_unit import INFO, FakeHandle, ok_script
 

@@ -126,8 +126,8 @@ class SlowTokenizer:
 def test_tokenizing_runs_off_the_event_loop():
     import httpx
 
-    from serve_app.config import ServeConfig
     from serve_app.serving.api import OpenAIAPI, build_fastapi_app
+    from serve_app.serving.config import ServeConfig
     from tests.serving.test_api_unit import INFO
 
     api = OpenAIAPI(FakeHandle(lambda r, a: FakeResponse([])), ServeConfig(model="unused"), INFO, input_processor=SlowTokenizer())

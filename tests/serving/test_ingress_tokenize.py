@@ -9,9 +9,9 @@ import asyncio
 import httpx
 
 from serve_app.backends.base import ModelInfo
-from serve_app.config import ServeConfig
 from serve_app.input_processor import InputProcessor
 from serve_app.serving.api import OpenAIAPI, build_fastapi_app
+from serve_app.serving.config import ServeConfig
 from serve_app.serving.ingress import make_input_processor
 from serve_app.types import GenerateRequest
 from tests.serving.conftest import MODEL_DIR

@@ -12,7 +12,7 @@ import pytest
 
 from serve_app.backends import BackendDeadError, make_backend
 from serve_app.backends.native import NativeBackend
-from serve_app.config import ServeConfig
+from serve_app.serving.config import ServeConfig
 from serve_app.serving.llm_server import GenerationChunk, LLMServer
 from serve_app.types import FinishReason, GenerateRequest, SamplingParams
 
@@ -36,7 +36,7 @@ def load(stats):
 
 def test_backend_streams_deltas_and_reports_load(model_dir):
     async def main():
-        backend = make_backend(config(model_dir))
+        backend = make_backend(config(model_dir).backend_config)
         assert isinstance(backend, NativeBackend)
         await backend.start()
         try:

@@ -12,9 +12,9 @@ import openai
 import pytest
 
 from serve_app.backends.base import ModelInfo
-from serve_app.config import ServeConfig
 from serve_app.generation_config import GenerationDefaults
 from serve_app.serving.api import OpenAIAPI, build_fastapi_app
+from serve_app.serving.config import ServeConfig
 from serve_app.serving.llm_server import GenerationChunk
 from serve_app.types import TokenLogprob
 from tests.serving.test_api_unit import (

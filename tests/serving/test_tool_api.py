@@ -13,7 +13,6 @@ import pydantic
 import pytest
 
 from serve_app.backends.base import ModelInfo
-from serve_app.config import ServeConfig
 from serve_app.request_limits import (
     MAX_TOOL_NAME_CHARS,
     MAX_TOOL_SCHEMA_CHARS,
@@ -21,6 +20,7 @@ from serve_app.request_limits import (
     MAX_TOOLS,
 )
 from serve_app.serving.api import OpenAIAPI, build_fastapi_app
+from serve_app.serving.config import ServeConfig
 from serve_app.serving.llm_server import GenerationChunk
 from serve_app.serving.tool_prompt import TOOLS_SECTION
 from tests.serving.test_api_unit import (

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from serve_app.backends.vllm_options import GIB, VLLMOptions
-from serve_app.config import ServeConfig
+from serve_app.engine.config import EngineConfig
 from serve_app.serving.app import request_router_config
+from serve_app.serving.config import ServeConfig
 
 MODEL = "models/smollm2-135m-instruct"
 REPO = Path(__file__).resolve().parents[2]
@@ -24,8 +25,8 @@ def vllm_config(**engine) -> ServeConfig:
 
 def test_defaults_and_engine_arguments():
     config = vllm_config(enforce_eager=True, max_model_len=2048, kv_cache_memory_gib=0.25, engine_args={"max_logprobs": 0})
-    options = config.vllm_options()
-    assert (config.device, config.kv_block_size) == ("cpu", 128)  # vLLM's CPU default block size
+    options = config.backend_config.options
+    assert (config.backend_config.device, config.backend_config.kv_block_size) == ("cpu", 128)  # vLLM's CPU default block size
     args = options.async_engine_args("/m", "served")
     assert args == {
         "model": "/m", "served_model_name": "served", "dtype": "float32", "seed": 0, "max_num_seqs": 64,
@@ -37,7 +38,7 @@ def test_defaults_and_engine_arguments():
 
 
 def test_gpu_options():
-    options = vllm_config(device="cuda", gpu_memory_utilization=0.85, block_size=32).vllm_options()
+    options = vllm_config(device="cuda", gpu_memory_utilization=0.85, block_size=32).backend_config.options
     args = options.async_engine_args("/m", "m")
     assert args["gpu_memory_utilization"] == 0.85 and "kv_cache_memory_bytes" not in args and args["block_size"] == 32
     assert options.environment() == {} and options.effective_block_size == 32
@@ -63,20 +64,18 @@ def test_bad_options_name_the_field(engine, field):
 def test_backend_names():
     with pytest.raises(ValueError, match=r"^backend:"):
         ServeConfig(model=MODEL, backend="tgi")
-    with pytest.raises(ValueError, match=r"^backend:"):
-        vllm_config().engine_config()  # the native engine's config does not apply
-    with pytest.raises(ValueError, match=r"^backend:"):
-        ServeConfig(model=MODEL).vllm_options()
-    assert ServeConfig(model=MODEL).kv_block_size == 16 and ServeConfig(model=MODEL).device == "cpu"
+    assert isinstance(vllm_config().backend_config.options, VLLMOptions)  # each backend validates its own options
+    native = ServeConfig(model=MODEL).backend_config
+    assert isinstance(native.options, EngineConfig) and (native.kv_block_size, native.device) == (16, "cpu")
 
 
 def test_the_serving_layer_and_the_backend_module_never_import_vllm():
     code = (
         "import sys\n"
-        "from serve_app.config import ServeConfig\n"
+        "from serve_app.serving.config import ServeConfig\n"
         "from serve_app.backends import make_backend\n"
         "import serve_app.backends.vllm, serve_app.serving.app\n"
-        f"backend = make_backend(ServeConfig(model={MODEL!r}, backend='vllm'))\n"
+        f"backend = make_backend(ServeConfig(model={MODEL!r}, backend='vllm').backend_config)\n"
         "assert type(backend).__name__ == 'VLLMBackend'\n"
         "print(sorted(m for m in sys.modules if m == 'vllm' or m.startswith('vllm.')))\n"
     )
@@ -95,13 +94,13 @@ def test_tensor_parallel_placement_group():
         "placement_group_bundles": [{"CPU": 2}, {"GPU": 1}, {"GPU": 1}, {"GPU": 1}, {"GPU": 1}],
         "placement_group_strategy": "STRICT_PACK",
     }
-    args = config.vllm_options().async_engine_args("/m", "m")
+    args = config.backend_config.options.async_engine_args("/m", "m")
     assert (args["tensor_parallel_size"], args["pipeline_parallel_size"], args["distributed_executor_backend"]) == (2, 2, "ray")
     cpu = ServeConfig(model=MODEL, backend="vllm", num_cpus_per_replica=0.5, engine={"tensor_parallel_size": 2})
     assert replica_placement(cpu)["placement_group_bundles"] == [{"CPU": 0.5}, {"CPU": 1}, {"CPU": 1}]
     single = ServeConfig(model=MODEL, backend="vllm", num_gpus_per_replica=1, engine={"device": "cuda"})
     assert replica_placement(single) == {"ray_actor_options": {"num_cpus": 0.5, "num_gpus": 1}}
-    assert "tensor_parallel_size" not in single.vllm_options().async_engine_args("/m", "m")
+    assert "tensor_parallel_size" not in single.backend_config.options.async_engine_args("/m", "m")
     with pytest.raises(ValueError, match="^num_gpus_per_replica:"):
         ServeConfig(model=MODEL, backend="vllm", num_gpus_per_replica=1, engine={"device": "cuda", "tensor_parallel_size": 2})
     with pytest.raises(ValueError, match="^tensor_parallel_size:"):
@@ -154,17 +153,17 @@ def test_tp_yaml_builds_an_app_with_the_placement_group(name, bundles):
 
 def test_speculative_option_maps_to_vllm_speculative_config():
     """The native engine's `speculative` option means the same on vLLM (fixed k: vLLM has no adaptive length)."""
-    args = vllm_config(speculative={"method": "ngram", "max_k": 3}).vllm_options().async_engine_args("/m", "m")
+    args = vllm_config(speculative={"method": "ngram", "max_k": 3}).backend_config.options.async_engine_args("/m", "m")
     assert args["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 3,
                                           "prompt_lookup_min": 2, "prompt_lookup_max": 4}
-    fixed = vllm_config(speculative={"method": "ngram", "k": 2, "ngram_min": 3}).vllm_options().async_engine_args("/m", "m")
+    fixed = vllm_config(speculative={"method": "ngram", "k": 2, "ngram_min": 3}).backend_config.options.async_engine_args("/m", "m")
     assert fixed["speculative_config"]["num_speculative_tokens"] == 2 and fixed["speculative_config"]["prompt_lookup_min"] == 3
-    assert "speculative_config" not in vllm_config(speculative={"method": "off"}).vllm_options().async_engine_args("/m", "m")
+    assert "speculative_config" not in vllm_config(speculative={"method": "off"}).backend_config.options.async_engine_args("/m", "m")
     draft = vllm_config(speculative={"method": "draft", "draft_model": "models/d", "k": 3, "acceptance": "rejection"})
-    assert draft.vllm_options().async_engine_args("/m", "m")["speculative_config"] == {
+    assert draft.backend_config.options.async_engine_args("/m", "m")["speculative_config"] == {
         "method": "draft_model", "model": "models/d", "num_speculative_tokens": 3}
     with pytest.raises(ValueError, match="^speculative.acceptance:.*rejection sampling only"):  # vLLM has no exact rule
-        vllm_config(speculative={"method": "draft", "draft_model": "models/d"}).vllm_options()
+        vllm_config(speculative={"method": "draft", "draft_model": "models/d"})  # rejected where the config is loaded
     with pytest.raises(ValueError, match="^speculative.method:"):
         vllm_config(speculative={"method": "eagle"})
     with pytest.raises(ValueError, match="^engine_args:"):

@@ -19,9 +19,9 @@ pytest.importorskip("vllm")
 
 from serve_app.backends import BackendDeadError, make_backend  # noqa: E402
 from serve_app.backends.vllm import VLLMBackend  # noqa: E402
-from serve_app.config import ServeConfig  # noqa: E402
 from serve_app.metrics import names  # noqa: E402
 from serve_app.metrics.loggers import PrometheusStatLogger  # noqa: E402
+from serve_app.serving.config import ServeConfig  # noqa: E402
 from serve_app.types import FinishReason, GenerateRequest, SamplingParams  # noqa: E402
 from tests.engine.conftest import CHAT_PROMPTS, hf_greedy  # noqa: E402
 from tests.vllm.conftest import ENGINE, KV_BLOCK_SIZE, EventLoop, RecordingLogger, collect, wait_until  # noqa: E402
@@ -45,7 +45,7 @@ def loop():
 def engine(loop, model_dir):
     """(backend, prometheus logger, recording logger): one vLLM engine for the whole module."""
     prom, recorder = PrometheusStatLogger(MODEL_NAME), RecordingLogger()
-    backend = make_backend(ServeConfig(model=model_dir, backend="vllm", engine=ENGINE), [prom, recorder])
+    backend = make_backend(ServeConfig(model=model_dir, backend="vllm", engine=ENGINE).backend_config, [prom, recorder])
     assert isinstance(backend, VLLMBackend)
     started = time.monotonic()
     loop.run(backend.start(), timeout_s=300)

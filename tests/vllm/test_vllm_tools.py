@@ -12,8 +12,8 @@ import pytest
 pytest.importorskip("vllm")
 
 from serve_app.backends import make_backend  # noqa: E402
-from serve_app.config import ServeConfig  # noqa: E402
 from serve_app.engine import LLM  # noqa: E402
+from serve_app.serving.config import ServeConfig  # noqa: E402
 from tests.serving.test_tool_calling import ASK, TOOLS  # noqa: E402
 from tests.serving.tool_requests import read_calls, tool_request, validated_calls  # noqa: E402
 from tests.vllm.conftest import ENGINE, EventLoop, collect  # noqa: E402
@@ -38,7 +38,7 @@ def loop():
 
 @pytest.fixture(scope="module")
 def backend(loop, model_dir):
-    backend = make_backend(ServeConfig(model=model_dir, backend="vllm", engine=ENGINE))
+    backend = make_backend(ServeConfig(model=model_dir, backend="vllm", engine=ENGINE).backend_config)
     started = time.monotonic()
     loop.run(backend.start(), timeout_s=300)
     print(f"\n[vllm] engine started in {time.monotonic() - started:.1f} s")

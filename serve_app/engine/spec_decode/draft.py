@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from serve_app.config import CacheConfig, EngineConfig, ModelConfig
 from serve_app.engine.block_manager import BlockManager
+from serve_app.engine.config import CacheConfig, EngineConfig, ModelConfig
 from serve_app.engine.model_runner import ModelRunner
 from serve_app.engine.outputs import ScheduledRequest
 from serve_app.engine.request import Request

@@ -6,10 +6,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+from serve_app.engine.spec_decode.config import SpeculativeConfig
 from serve_app.engine.spec_decode.policy import AcceptanceTracker, choose_k
 from serve_app.engine.spec_decode.proposer import NgramProposer, Proposal, Proposer, SpecCandidate
 from serve_app.engine.step_cost import StepCostFit
-from serve_app.speculative_config import SpeculativeConfig
 
 
 class Speculator:

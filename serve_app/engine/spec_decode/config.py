@@ -1,5 +1,6 @@
-"""Speculative decoding's configuration (the native engine's, and the vLLM backend's `speculative`
-option): a frozen dataclass validated once at construction, `ValueError` naming the field."""
+"""Speculative decoding's configuration (the native engine's `EngineConfig.speculative`, and the vLLM
+backend's `speculative` option): a frozen dataclass validated once at construction, `ValueError`
+naming the field. Imports no torch."""
 
 from __future__ import annotations
 
