@@ -9,12 +9,16 @@ shapes in its dtype (on CPU in bf16: oneDNN with packed weights, and the engine'
 they run, whichever is faster), after warm-up, best of `repeats`. Attention FLOPs are
 charged at the same rate, so the floor is optimistic: no engine can beat it on this machine.
 
-`measure(...)` runs in the benchmark's own worker process, with the engines' thread count.
+`Floor(opts)` runs in a worker process of its own (loadtest/worker.py), with the engines' thread count:
+W1 measures the floor right before every engine run, because this machine's speed drifts by 10-15%
+over minutes, enough to move a share measured once by as much.
 """
 
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
 from typing import Any
 
 
@@ -82,20 +86,24 @@ def matmul_rate(cfg: dict[str, Any], rows: int, dtype_name: str, device: str, re
     return flops / best
 
 
-def measure(cfg: dict[str, Any], opts: dict[str, Any]) -> dict[str, Any]:
-    """The floor of this W1 run: its FLOPs, the two rates, the floor time and output tok/s."""
-    flops = w1_flops(cfg, opts["num_requests"], opts["prompt_len"], opts["output_len"])
-    decode_rows = min(opts["num_requests"], opts["max_num_seqs"])
-    prefill_rows = min(opts["num_requests"] * opts["prompt_len"], opts["max_num_batched_tokens"])
-    decode_rate = matmul_rate(cfg, decode_rows, opts["dtype"], opts["device"])
-    prefill_rate = matmul_rate(cfg, prefill_rows, opts["dtype"], opts["device"], with_head=False)
-    floor_s = flops["prefill_flops"] / prefill_rate + flops["decode_flops"] / decode_rate
-    return {
-        **flops,
-        "decode_rows": decode_rows,
-        "prefill_rows": prefill_rows,
-        "decode_tflop_s": decode_rate / 1e12,
-        "prefill_tflop_s": prefill_rate / 1e12,
-        "floor_s": floor_s,
-        "floor_output_tok_s": opts["num_requests"] * opts["output_len"] / floor_s,
-    }
+class Floor:
+    """The compute floor of the W1 run `opts` describes, measured anew on every `measure()`."""
+
+    def __init__(self, opts: dict[str, Any]) -> None:
+        import torch
+
+        if opts.get("threads"):
+            torch.set_num_threads(opts["threads"])
+        self.opts, self.cfg = opts, json.loads((Path(opts["model"]) / "config.json").read_text())
+
+    def measure(self) -> dict[str, Any]:
+        """The run's FLOPs, the two rates, the floor time and output tok/s."""
+        o, cfg = self.opts, self.cfg
+        flops = w1_flops(cfg, o["num_requests"], o["prompt_len"], o["output_len"])
+        decode_rows = min(o["num_requests"], o["max_num_seqs"])
+        prefill_rows = min(o["num_requests"] * o["prompt_len"], o["max_num_batched_tokens"])
+        decode_rate = matmul_rate(cfg, decode_rows, o["dtype"], o["device"])
+        prefill_rate = matmul_rate(cfg, prefill_rows, o["dtype"], o["device"], with_head=False)
+        floor_s = flops["prefill_flops"] / prefill_rate + flops["decode_flops"] / decode_rate
+        return {**flops, "decode_rows": decode_rows, "prefill_rows": prefill_rows, "decode_tflop_s": decode_rate / 1e12,
+                "prefill_tflop_s": prefill_rate / 1e12, "floor_s": floor_s, "floor_output_tok_s": o["num_requests"] * o["output_len"] / floor_s}

@@ -1,42 +1,25 @@
 #!/usr/bin/env bash
-# GPU check, in one command on a machine with an NVIDIA GPU and this repo:
+# GPU check, in one command on a machine with an NVIDIA GPU and this repo: `bash loadtest/gpu_check.sh`
 #
-#   bash loadtest/gpu_check.sh
-#
-# 1. Python environment with a CUDA torch, in this order of preference:
-#    a. $VENV (default .venv-gpu; .venv, the CPU venv, is never touched) if its torch sees CUDA;
-#    b. else, when the system python's torch sees CUDA: a venv that sees the system packages
-#       (--system-site-packages, plus a .pth file when that python is itself a venv) so that its
-#       torch is reused (the repo pins torch==2.13.0, and `==2.13.0` accepts 2.13.0+cuXXX; with
-#       another version pip fetches 2.13.0, a CUDA build on PyPI) + `make install VENV=$VENV`;
-#       if that install fails (Python not 3.11, no `make`, ...), or pip's index does not answer (no
-#       network: then no venv is made and no install tried), the system python itself with
-#       PYTHONPATH=. and no install at all, when it has what the tests need (torch, transformers,
-#       safetensors, tokenizers, jinja2, numpy, pytest; psutil, Triton and FlashInfer are optional);
-#    c. else `make install VENV=$VENV`, then, if its torch is a CPU build and TORCH_CUDA_INDEX_URL
-#       names PyTorch's CUDA wheel index for this machine's CUDA, torch==2.13.0 from there.
+# 1. A Python with a CUDA torch, in this order of preference: $VENV (default .venv-gpu; never .venv) if
+#    its torch sees CUDA; else, when the system python's torch does, a venv over the system packages
+#    (--system-site-packages, plus a .pth file when that python is itself a venv, so its torch is reused:
+#    `==2.13.0` accepts 2.13.0+cuXXX) + `make install VENV=$VENV`, or when that fails or pip's index does
+#    not answer, the system python itself with PYTHONPATH=. when it has what the tests need; else
+#    `make install VENV=$VENV`, then torch==2.13.0 from $TORCH_CUDA_INDEX_URL if its torch is a CPU build.
 #    Nothing is installed when pip's index ($PIP_INDEX_URL, default PyPI) does not answer.
-# 2. The model: $MODEL_DIR (default models/smollm2-135m-instruct) as it is, else `make model`.
-#    Without network, copy the model directory over; if only its small files are there (config.json,
-#    tokenizer.json, tokenizer_config.json, chat_template.jinja, generation_config.json: no weights),
-#    a random-weight stand-in is made (loadtest/random_model.py):
-#    the token-exact tests and throughput still mean something, the bf16 "Paris" check is skipped.
-# 3. pytest -m gpu tests/gpu (native on cuda vs HF on cuda: fp32 token-exact with every attention
-#    backend, with and without decode CUDA graphs; bf16 sanity; gpu_memory_utilization; one host
-#    sync per decode step) and the Triton kernels against the reference on the GPU
-#    (tests/engine/test_triton_kernels.py).
-# 4. W1 on cuda: native vs HF static batches of 16 (and vLLM where it is installed), bf16, 1 repeat
-#    (loadtest/bench_engine.py).
-# 5. Decode-step latency sweep, batch 1-256, with the weight-streaming floor beside it
-#    (loadtest/decode_sweep.py; CUDA graphs), and batch 1 without graphs for comparison.
-# 6. A short table. Outputs go to $OUT if set, else reports/gpu/ (not reports/, whose CPU
-#    engine_throughput.* it would overwrite). Everything runs under a deadline of $BUDGET_S (540) s.
+# 2. The model: $MODEL_DIR as it is, else `make model`; with only its small files there (config,
+#    tokenizer, chat template: no weights), a random-weight stand-in (loadtest/random_model.py): the
+#    token-exact tests and throughput still mean something, the bf16 "Paris" check is skipped.
+# 3. pytest -m gpu tests/gpu and the Triton kernels against the reference (tests/engine/test_triton_kernels.py).
+# 4. W1 on cuda, 1 repeat (python -m loadtest.bench_engine); 5. the decode-step latency sweep, batch
+#    1-256, with CUDA graphs and, at batch 1 and 64, without (python -m loadtest.decode_sweep).
+# 6. A summary with the targets. Outputs go to $OUT if set, else reports/gpu/ (not reports/, whose CPU
+#    engine_throughput.* it would overwrite); everything runs under a deadline of $BUDGET_S (540) s.
 #
 # Knobs (environment): OUT, BUDGET_S, VENV, PYTHON (the system python), MODEL_DIR, BENCH_ENGINES
-# (native,hf,vllm; vllm is skipped where it is not installed), SWEEP_ARGS (extra decode_sweep.py options), BENCH_ARGS (extra bench_engine.py options), CONVERT_MODEL=0 (never run make model),
-# GPU_CHECK_DEVICE=cpu (a dry run of this script on a machine without a GPU, e.g. with
-# BENCH_ARGS=--quick: CUDA is not required and tests and benchmark run on the CPU).
-#
+# (native,hf,vllm), SWEEP_ARGS, BENCH_ARGS (extra options), CONVERT_MODEL=0 (never run make model),
+# GPU_CHECK_DEVICE=cpu (a dry run without a GPU, e.g. with BENCH_ARGS=--quick).
 # Exit status: 0 when the GPU tests, the benchmark and the sweep all succeeded.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -154,7 +137,7 @@ if [[ ! -f "$MODEL_DIR/model.safetensors" || ! -f "$MODEL_DIR/config.json" ]]; t
         say "model converted into $MODEL_DIR"
     elif [[ -f "$MODEL_DIR/config.json" && -f "$MODEL_DIR/tokenizer.json" ]]; then
         say "no weights in $MODEL_DIR and no way to convert them: using RANDOM weights with its architecture and tokenizer"
-        "$PY" loadtest/random_model.py --like "$MODEL_DIR" --out build/random-model 2>&1 | tee -a "$LOG" \
+        "$PY" -m loadtest.random_model --like "$MODEL_DIR" --out build/random-model 2>&1 | tee -a "$LOG" \
             || die "could not write the random-weight model (see $LOG)"
         MODEL_DIR=build/random-model
     else
@@ -175,70 +158,36 @@ say "GPU tests: ${tests_line:-no summary} (exit $tests_rc)"
 # ---- 4. W1 on cuda -----------------------------------------------------------------------------
 say "W1 on $DEVICE: $BENCH_ENGINES, bf16, 1 repeat ..."
 bench_rc=0
-timeout "$(budget 15 300)" "$PY" loadtest/bench_engine.py --device "$DEVICE" --dtype bfloat16 --repeats 1 --engines "$BENCH_ENGINES" \
-    --model "$MODEL_DIR" --out-dir "$OUT_DIR" --progress-s 5 "${BENCH_ARGS[@]}" 2>&1 | tee "$OUT_DIR/bench.log" || bench_rc=$?
+timeout "$(budget 15 300)" "$PY" -m loadtest.bench_engine --device "$DEVICE" --dtype bfloat16 --repeats 1 --engines "$BENCH_ENGINES" \
+    --model "$MODEL_DIR" --out-dir "$OUT_DIR" "${BENCH_ARGS[@]}" 2>&1 | tee "$OUT_DIR/bench.log" || bench_rc=$?
 say "W1 exit $bench_rc"
 
 # ---- 5. decode-step latency sweep ---------------------------------------------------------------
 read -r -a SWEEP_ARGS <<<"${SWEEP_ARGS:-}"
 say "decode-step sweep on $DEVICE (batch 1-256, CUDA graphs) ..."
 sweep_rc=0
-timeout "$(budget 30 150)" "$PY" loadtest/decode_sweep.py --device "$DEVICE" --model "$MODEL_DIR" --out-dir "$OUT_DIR" \
+timeout "$(budget 30 150)" "$PY" -m loadtest.decode_sweep --device "$DEVICE" --model "$MODEL_DIR" --out-dir "$OUT_DIR" \
     "${SWEEP_ARGS[@]}" 2>&1 | tee "$OUT_DIR/decode_sweep.log" || sweep_rc=$?
-timeout "$(budget 15 60)" "$PY" loadtest/decode_sweep.py --device "$DEVICE" --model "$MODEL_DIR" --out-dir "$OUT_DIR/eager" \
+timeout "$(budget 15 60)" "$PY" -m loadtest.decode_sweep --device "$DEVICE" --model "$MODEL_DIR" --out-dir "$OUT_DIR/eager" \
     --enforce-eager --batch-sizes 1,64 --steps 20 "${SWEEP_ARGS[@]}" 2>&1 | tee -a "$OUT_DIR/decode_sweep.log" || true
 say "sweep exit $sweep_rc"
 
 # ---- 6. summary --------------------------------------------------------------------------------
 # (a failed summary must not end the script here, before the exit status below)
-if ! "$PY" - "$OUT_DIR" "$tests_rc" "$tests_line" "$MODEL_DIR" "$SECONDS" <<'EOF' | tee "$OUT_DIR/gpu_check_summary.md"
+{ echo "GPU tests: ${tests_line:-no summary} (exit $tests_rc); model $MODEL_DIR; total ${SECONDS} s"
+  cat "$OUT_DIR/engine_throughput.md" "$OUT_DIR/decode_sweep.md" "$OUT_DIR/eager/decode_sweep.md" 2>/dev/null
+  "$PY" - "$OUT_DIR" <<'EOF' || echo "(targets: no results)"
 import json, sys
 from pathlib import Path
-
-out, tests_rc, tests_line, model, elapsed = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
-print("\n## GPU check summary\n")
-print(f"GPU tests (pytest -m gpu tests/gpu): {'PASS' if tests_rc == 0 else 'FAIL'} - {tests_line or 'no summary'}")
-print(f"model: {model}{'  (RANDOM weights)' if (Path(model) / 'RANDOM_WEIGHTS').is_file() else ''}; total {elapsed} s\n")
-path = out / "engine_throughput.json"
-r = json.loads(path.read_text()) if path.is_file() else {"engines": {}}
-if not path.is_file():
-    print("W1: no results (see bench.log)")
-else:
-    w = r["workload"]
-    print(f"W1 on {w['device']}: {w['num_requests']} x {w['prompt_len']} prompt x {w['output_len']} output tokens, {w['dtype']}\n")
-    print("| engine | output tok/s | total tok/s | time (s) | peak GPU alloc (MiB) | vs HF |")
-    print("|---|---|---|---|---|---|")
-    for name, e in r["engines"].items():
-        if not e.get("runs"):
-            print(f"| {name} | {'skipped' if 'skipped' in e else 'FAILED'} | | | | |")
-            continue
-        run = e["runs"][-1]
-        ratio = e.get("ratio_vs_baseline")
-        ratio = f"{ratio['median']:.2f}x" if ratio else ("1 (baseline)" if name == r["settings"]["baseline"] else "-")
-        gpu_mib = run.get("peak_gpu_allocated_mib", 0)
-        print(f"| {name} | {run['output_tok_s']:.0f} | {run['total_tok_s']:.0f} | {run['elapsed_s']:.1f} | {gpu_mib:.0f} | {ratio} |")
-native = r["engines"].get("native", {}).get("ratio_vs_baseline")
+w1, sweep = (json.loads((Path(sys.argv[1]) / f).read_text()) for f in ("engine_throughput.json", "decode_sweep.json"))
+native = w1["engines"].get("native", {}).get("ratio_vs_baseline")
 if native:
-    print(f"\ntarget W1 native >= 5x HF static: {native['median']:.2f}x -> {'MET' if native['median'] >= 5 else 'NOT MET'}")
-for sub in (out, out / "eager"):
-    sweep = sub / "decode_sweep.json"
-    if not sweep.is_file():
-        print(f"\ndecode sweep ({sub.name}): no results (see decode_sweep.log)")
-        continue
-    s = json.loads(sweep.read_text())
-    label = "CUDA graphs" if s["cuda_graphs"] else "no graphs"
-    print(f"\ndecode step ({label}, attention {s['attention_backend']}, context {s['context']}, "
-          f"copy bandwidth {s['copy_bandwidth_gb_s']:.0f} GB/s)\n")
-    print("| batch | step (ms) | floor (ms) | floor/step | tok/s |\n|---|---|---|---|---|")
-    for row in s["rows"]:
-        print(f"| {row['batch']} | {row['step_ms']:.3f} | {row['floor_ms']:.3f} | {100 * row['of_floor']:.0f}% | {row['tok_s']:.0f} |")
-    if label == "CUDA graphs" and s["rows"][0]["batch"] == 1:
-        ms = s["rows"][0]["step_ms"]
-        print(f"\ntarget batch-1 decode step <= 1 ms with CUDA graphs: {ms:.3f} ms -> {'MET' if ms <= 1 else 'NOT MET'}")
+    print(f"target W1 native >= 5x HF static: {native['median']:.2f}x -> {'MET' if native['median'] >= 5 else 'NOT MET'}")
+ms = sweep["rows"][0]["step_ms"]
+if sweep["cuda_graphs"] and sweep["rows"][0]["batch"] == 1:
+    print(f"target batch-1 decode step <= 1 ms with CUDA graphs: {ms:.3f} ms -> {'MET' if ms <= 1 else 'NOT MET'}")
 EOF
-then
-    say "the summary failed (see above); the reports themselves are in $OUT_DIR"
-fi
+} | tee "$OUT_DIR/gpu_check_summary.md"
 
 if ((tests_rc != 0 || bench_rc != 0 || sweep_rc != 0)); then
     say "FAILED (tests exit $tests_rc, W1 exit $bench_rc, sweep exit $sweep_rc); logs in $OUT_DIR"

@@ -1,43 +1,35 @@
 """Per-op time breakdown of the engine's steps at W1's shapes (torch.profiler), fused ops on and off.
 
-Two steps of the model runner alone, as W1 has them: a decode step of 64 sequences at context 192
-(the middle of W1's decodes), and a prefill step of 16 prompts x 128 tokens (W1's 2,048-token
-budget). For each, `--steps` profiled steps (after warm-up): every op's self CPU time per step,
-its calls per step and its share of the step's wall time, top ops first (the C++ extension's ops
-appear as `cpp::*`); the same with the fused layer ops turned off (residual add + RMSNorm, RoPE + K/V
-write: each then runs as the torch ops it replaces), so the tables show what fusion removed. The two
-configurations alternate; each keeps its fastest round. Then, without the profiler, where each step's
-wall time goes: the step timed whole, then with the projections, the attention kernels and the fused
-layer ops replaced by no-ops one after another (`decompose`).
+Two steps of the model runner alone, as W1 has them: a decode step of 64 sequences at context 192 (the
+middle of W1's decodes) and a prefill step of 16 prompts x 128 tokens (W1's 2,048-token budget). For
+each, `--steps` profiled steps after warm-up: every op's self CPU time and calls per step and its share of
+the step's wall time (the C++ extension's ops appear as `cpp::*`), with the fused layer ops (residual add
++ RMSNorm, RoPE + K/V write) on and off; the configurations alternate, each keeping its fastest round.
+Then, without the profiler, where each step's wall time goes: the step timed whole, then with the
+projections, the attention kernels and the fused layer ops replaced by no-ops one after another.
 
-    python loadtest/profile_step.py                       # -> reports/profile_cpu.{md,json}
-    python loadtest/profile_step.py --quick               # -> build/profile-quick/
+    python -m loadtest.profile_step                # -> reports/profile_cpu.{md,json}
+    python -m loadtest.profile_step --quick        # -> build/profile-quick/
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "loadtest"))
-
-from compute_floor import matmul_rate, token_flops  # noqa: E402
-from decode_sweep import decode_batch  # noqa: E402
-
-from serve_app.config import EngineConfig  # noqa: E402
-from serve_app.engine.model_runner import ModelRunner  # noqa: E402
-from serve_app.engine.outputs import ScheduledRequest, SchedulerOutput  # noqa: E402
-from serve_app.types import SamplingParams  # noqa: E402
+from loadtest import report
+from loadtest.compute_floor import matmul_rate, token_flops
+from loadtest.decode_sweep import decode_batch
+from loadtest.report import table
+from loadtest.stats import percentile
+from serve_app.config import EngineConfig
+from serve_app.engine.model_runner import ModelRunner
+from serve_app.engine.outputs import ScheduledRequest, SchedulerOutput
+from serve_app.types import SamplingParams
 
 
 def prefill_batch(num_prompts: int, prompt_len: int, block_size: int, first_block: int) -> SchedulerOutput:
@@ -88,7 +80,7 @@ def median_step_ms(runner: ModelRunner, batch: SchedulerOutput, steps: int) -> f
         t0 = time.perf_counter()
         runner.execute_model(batch)
         times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+    return percentile(times, 0.5) * 1e3
 
 
 def decompose(runner: ModelRunner, batch: SchedulerOutput, steps: int) -> dict:
@@ -156,9 +148,7 @@ def main() -> int:
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    out_dir = Path(args.out_dir or ("build/profile-quick" if args.quick else "reports"))
     steps, decode_b, prefill_n = (3, 16, 4) if args.quick else (args.steps, 64, 16)
-    load_avg = os.getloadavg()
     cfg = EngineConfig.from_kwargs(args.model, dtype="bfloat16", num_blocks=decode_b * 12 + prefill_n * 8 + 1)
     runner = ModelRunner(cfg.model, cfg.cache, cfg.model.hf_config(), cfg.scheduler)
     model = runner.model
@@ -174,9 +164,8 @@ def main() -> int:
     fused_ops = {"_add_rms_norm_op": labeled("cpp::add_rms_norm", model._add_rms_norm_op),
                  "_rope_write_kv_op": labeled("cpp::rope_write_kv", model._rope_write_kv_op)}
     shapes = {"decode": decode_batch(decode_b, 192, 16), "prefill": prefill_batch(prefill_n, 128, 16, decode_b * 12)}
-    result = {"command": " ".join(["python", "loadtest/profile_step.py", *sys.argv[1:]]), "threads": torch.get_num_threads(),
-              "load_avg_at_start": [round(x, 2) for x in load_avg], "decode_batch": decode_b, "prefill": f"{prefill_n} x 128",
-              "runs": {}}
+    result = report.start("profile_step")
+    result.update(threads=torch.get_num_threads(), decode_batch=decode_b, prefill=f"{prefill_n} x 128", runs={})
     # alternate the two configurations and keep each one's fastest round: the machine is shared
     for _ in range(1 if args.quick else 2):
         for name, batch in shapes.items():
@@ -201,27 +190,23 @@ def main() -> int:
         run["projections_at_floor_rate_ms"] = (rows * per_token + sampled * head) / rate * 1e3
         print(f"[profile] {name} without the profiler: {run['step_ms']:.1f} ms/step; "
               + ", ".join(f"{p['part'].split(' (')[0]} {p['ms_per_step']:.1f}" for p in run["parts"]), flush=True)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "profile_cpu.json").write_text(json.dumps(result, indent=2) + "\n")
-    lines = ["# Per-op time breakdown of engine steps (CPU, bf16)", "", f"`{result['command']}`", "",
-             f"{result['threads']} torch threads; load average at start {result['load_avg_at_start']} (other processes share "
-             "the cores: shares are of wall time). Self CPU time per op, per step, top ops.", ""]
+    lines = [f"{result['threads']} torch threads; other processes share the cores: shares are of wall time. Self CPU time per op, per step.", ""]
     for key, run in result["runs"].items():
-        lines += [f"## {key}: {run['step_ms']:.1f} ms/step, {run['op_calls_per_step']:.0f} op calls/step", "",
-                  "| op | ms/step | calls/step | share of step |", "|---|---|---|---|"]
-        lines += [f"| `{o['op']}` | {o['ms_per_step']:.2f} | {o['calls_per_step']:.0f} | {100 * o['share']:.1f}% |" for o in run["ops"]]
-        lines += ["", f"Outside every op (Python, dispatch, allocation, the profiler's own cost): {run['outside_ops_ms']:.1f} ms/step "
+        lines += [f"## {key}: {run['step_ms']:.1f} ms/step, {run['op_calls_per_step']:.0f} op calls/step", ""] + table(
+            ["op", "ms/step", "calls/step", "share of step"],
+            [[f"`{o['op']}`", f"{o['ms_per_step']:.2f}", f"{o['calls_per_step']:.0f}", f"{100 * o['share']:.1f}%"] for o in run["ops"]])
+        lines += [f"Outside every op (Python, dispatch, allocation, the profiler's own cost): {run['outside_ops_ms']:.1f} ms/step "
                   f"({100 * run['outside_ops_ms'] / run['step_ms']:.0f}%).", ""]
-    lines += ["## Where a step's time goes, without the profiler", "",
-              "Each fused step timed whole (median of the steps), then with its parts replaced by no-ops one after another "
-              "(`decompose`): a part's cost is what removing it saved.", ""]
+    lines += ["## Where a step's time goes, without the profiler", "", "Each fused step timed whole (median), then with its parts replaced "
+              "by no-ops one after another: a part's cost is what removing it saved.", ""]
     for name, run in result["decomposed"].items():
-        lines += [f"### {name}: {run['step_ms']:.1f} ms/step", "", "| part | ms/step | share |", "|---|---|---|"]
-        lines += [f"| {p['part']} | {p['ms_per_step']:.1f} | {100 * p['ms_per_step'] / run['step_ms']:.0f}% |" for p in run["parts"]]
-        lines += ["", f"The same projections at the compute floor's matmul rate (one layer's weights, hot in cache; "
-                  f"`loadtest/compute_floor.py`): {run['projections_at_floor_rate_ms']:.1f} ms.", ""]
-    (out_dir / "profile_cpu.md").write_text("\n".join(lines))
-    print(f"[profile] wrote {out_dir}/profile_cpu.{{md,json}}")
+        lines += [f"### {name}: {run['step_ms']:.1f} ms/step", ""] + table(
+            ["part", "ms/step", "share"], [[p["part"], f"{p['ms_per_step']:.1f}", f"{100 * p['ms_per_step'] / run['step_ms']:.0f}%"] for p in run["parts"]])
+        lines += [f"The same projections at the compute floor's matmul rate (loadtest/compute_floor.py: one layer's weights, hot in cache): "
+                  f"{run['projections_at_floor_rate_ms']:.1f} ms.", ""]
+    paths = report.write(result, args.out_dir or ("build/profile-quick" if args.quick else "reports"), "profile_cpu",
+                         "Per-op time breakdown of engine steps (CPU, bf16)", lines)
+    print(f"[profile] wrote {paths}")
     return 0
 
 

@@ -5,7 +5,7 @@ Used by loadtest/gpu_check.sh on a machine where the real weights cannot be had 
 were copied over. Token-exactness against HF and throughput do not depend on the weights' values;
 only the "sensible text" check does, and the GPU tests skip it when they see the RANDOM_WEIGHTS marker.
 
-    python loadtest/random_model.py --like models/smollm2-135m-instruct --out build/random-smollm2
+    python -m loadtest.random_model --like models/smollm2-135m-instruct --out build/random-smollm2
 """
 
 from __future__ import annotations

@@ -1,0 +1,90 @@
+"""Every benchmark's report, in one shape: `<out_dir>/<name>.json` (everything measured), `<name>.md` (a
+header — title, the exact command, date, machine, load before and after, duration — then the
+benchmark's own tables) and `<name>.png` plus any other named figures (matplotlib, when installed).
+
+    results = report.start("bench_x")          # command, date, machine facts (load before)
+    ... measure into results ...
+    report.write(results, out_dir, "x", "Title", body_lines, {"x": plot_fn})
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import shlex
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from loadtest import machine
+
+Plot = Callable[[Any], Any]  # matplotlib.pyplot → the Figure to save
+
+
+def command_line(module: str, argv: Sequence[str] | None = None) -> str:
+    """How to run this again from the repository root."""
+    return shlex.join([".venv/bin/python", "-m", f"loadtest.{module}", *(sys.argv[1:] if argv is None else argv)])
+
+
+def start(module: str, device: str = "cpu") -> dict[str, Any]:
+    """The header facts, taken before anything runs."""
+    return {"command": command_line(module), "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+            "machine": machine.facts(device), "started": time.monotonic()}
+
+
+def cell(s: dict[str, float] | None, scale: float = 1.0, digits: int = 1) -> str:
+    """A spread as `median (min–max)`; just the value when there was one repeat; – for none."""
+    if not s:
+        return "–"
+    if s["n"] == 1:
+        return f"{s['median'] * scale:,.{digits}f}"
+    return f"{s['median'] * scale:,.{digits}f} ({s['min'] * scale:,.{digits}f}–{s['max'] * scale:,.{digits}f})"
+
+
+def num(value: float | None, digits: int = 2, scale: float = 1.0) -> str:
+    return "–" if value is None else f"{value * scale:,.{digits}f}"
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
+    """Markdown table lines (cells as given, stringified)."""
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
+            *("| " + " | ".join(str(c) for c in row) + " |" for row in rows), ""]
+
+
+def _save_plots(plots: dict[str, Plot], out_dir: Path) -> list[Path]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    paths = []
+    for name, draw in plots.items():
+        fig = draw(plt)
+        paths.append(out_dir / f"{name}.png")
+        if fig.get_layout_engine() is None:  # a figure may bring its own (constrained, for an outside legend)
+            fig.tight_layout()
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+    return paths
+
+
+def write(results: dict[str, Any], out_dir: str | Path, name: str, title: str, body: Sequence[str],
+          plots: dict[str, Plot] | None = None) -> list[Path]:
+    """Add the load after and the duration to `results` and write the report's files (again, when called
+    again: a long benchmark writes after each part); returns their paths."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    machine.finish(results["machine"])
+    if "started" in results:  # (results made elsewhere, e.g. by a test, carry their own or none)
+        results["duration_s"] = round(time.monotonic() - results["started"], 1)
+    paths = [out_dir / f"{name}.json", out_dir / f"{name}.md"]
+    paths[0].write_text(json.dumps({k: v for k, v in results.items() if k != "started"}, indent=1, default=str) + "\n")
+    figures = _save_plots(plots or {}, out_dir)
+    head = [f"# {title}", "", f"`{results['command']}`", "",
+            f"{results['date']}, {results.get('duration_s')} s; {machine.describe(results['machine'])}.", ""]
+    paths[1].write_text("\n".join([*head, *body, *(f"![{p.stem}]({p.name})" for p in figures)]).rstrip() + "\n")
+    return paths + figures

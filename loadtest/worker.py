@@ -1,0 +1,106 @@
+"""An engine in a process of its own: its peak RSS is its own, its threads and imports (torch, vLLM)
+stay out of the benchmark's process, and a crash is a result, not the end of the run.
+
+`Worker("loadtest.engines:build", opts)` spawns a process that builds the object `build(opts)` and
+then answers calls: `worker.call("run", prompts, 128)` returns `obj.run(prompts, 128)`. A failure in
+the process raises `WorkerError` here (its traceback's last line first); after a failed call the
+worker goes on serving, after a failed build or its death it is gone.
+"""
+
+from __future__ import annotations
+
+import importlib
+import multiprocessing as mp
+import threading
+import time
+import traceback
+from typing import Any
+
+from loadtest import machine
+
+
+class WorkerError(RuntimeError):
+    pass
+
+
+def _call(conn, fn, *args: Any) -> bool:
+    """Send fn(*args) or the traceback of its failure; whether it succeeded."""
+    try:
+        conn.send(("result", fn(*args)))
+        return True
+    except Exception:  # noqa: BLE001 - the parent reports it
+        conn.send(("error", traceback.format_exc()))
+        return False
+
+
+def _serve(target: str, opts: dict[str, Any], conn) -> None:
+    module, _, name = target.partition(":")
+    built: list[Any] = []
+    if _call(conn, lambda: built.append(getattr(importlib.import_module(module), name)(opts))):
+        while (msg := conn.recv())[0] != "stop":
+            _call(conn, getattr(built[0], msg[0]), *msg[1])
+    conn.close()
+
+
+class Worker:
+    """The process, with its process tree's peak RSS sampled every 0.1 s (psutil; 0 without it)."""
+
+    def __init__(self, target: str, opts: dict[str, Any], timeout_s: float = 3600.0) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        # not a daemon: vLLM starts processes of its own
+        self.proc = ctx.Process(target=_serve, args=(target, opts, child), name=target.rpartition(":")[2])
+        self.proc.start()
+        child.close()
+        self.timeout_s, self.peak_rss = timeout_s, 0
+        self._halt = threading.Event()
+        threading.Thread(target=self._sample_rss, daemon=True).start()
+        started = time.perf_counter()
+        try:
+            self._answer(timeout_s)
+        except WorkerError:
+            self.stop()
+            raise
+        self.load_s = time.perf_counter() - started
+
+    def _sample_rss(self) -> None:
+        while not self._halt.wait(0.1):
+            self.peak_rss = max(self.peak_rss, machine.rss_bytes(machine.tree(self.proc.pid)))
+
+    def _answer(self, timeout_s: float) -> Any:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.conn.poll(1.0):
+                try:
+                    kind, value = self.conn.recv()
+                except EOFError:
+                    break
+                if kind == "error":
+                    raise WorkerError(value.strip().splitlines()[-1] + "\n" + value)
+                return value
+            if not self.proc.is_alive() and not self.conn.poll(0):
+                break
+        raise WorkerError(f"{self.proc.name}: " + ("timed out" if self.proc.is_alive() else f"died (exit code {self.proc.exitcode})"))
+
+    def call(self, method: str, *args: Any) -> Any:
+        try:
+            self.conn.send((method, args))
+        except (BrokenPipeError, OSError) as exc:
+            raise WorkerError(f"{self.proc.name}: gone ({exc!r})") from exc
+        return self._answer(self.timeout_s)
+
+    def cpu_s(self) -> float:
+        return machine.cpu_s(machine.tree(self.proc.pid))
+
+    def stop(self) -> None:
+        self._halt.set()
+        try:
+            self.conn.send(("stop", ()))
+        except (BrokenPipeError, OSError):
+            pass
+        self.proc.join(30)
+        if self.proc.is_alive():
+            for p in machine.tree(self.proc.pid)[1:]:  # e.g. vLLM's engine-core process
+                p.kill()
+            self.proc.kill()
+            self.proc.join()
