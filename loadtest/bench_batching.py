@@ -1,19 +1,13 @@
 """W2 batching study (docs/benchmarks.md): one seeded Poisson trace with mixed prompt and output lengths
-(loadtest/batching_model.py), replayed in one run against the same in-process AsyncLLMEngine under
-`static`, `dynamic` and `continuous` batching; only admission differs.
+(loadtest/batching_model.py) replayed in one run against the same in-process AsyncLLMEngine under `static`,
+`dynamic` and `continuous` batching; only admission differs. The arrival rate is calibrated first: part of
+the trace at once under continuous batching, the step-cost model fitted to its steps, arrivals at `--load`
+(1.5) x the rate full steps sustain, so every policy meets a growing queue. Per policy: throughput over the
+makespan, TTFT / e2e p50 and p99, batch sizes; then the step-cost model over every step and the shortest
+makespan any admission policy could reach. A policy unfinished `--policy-timeout-s` after its last arrival
+is aborted and reported incomplete.
 
-The arrival rate is calibrated to the machine first: part of the trace arrives at once under continuous
-batching, the step-cost model is fitted to its steps, and arrivals come at `--load` (1.5) x the rate
-full steps sustain on the trace's mix, so every policy meets a growing queue. Per policy: output tok/s
-and req/s over the makespan, TTFT / e2e p50 and p99 (engine clock), batch sizes; then the step-cost
-model over every step and the shortest makespan any admission policy could reach on the trace.
-
-    .venv/bin/python -m loadtest.bench_batching            # make bench-batching → reports/batching.{json,md} + PNGs
-    .venv/bin/python -m loadtest.bench_batching --quick    # 16 requests → build/bench-batching-quick/
-
-Static waits for a batch of `--batch-size` (default: the cap) or `--static-timeout-s`; dynamic takes
-whatever waits when idle. A policy not finished `--policy-timeout-s` after its last arrival is aborted
-and reported incomplete.
+    .venv/bin/python -m loadtest.bench_batching [--quick]   # reports/batching.* (--quick: 16 requests → build/bench-batching-quick/)
 """
 
 from __future__ import annotations
@@ -207,7 +201,7 @@ def body(results: dict[str, Any]) -> list[str]:
     lines += ["Pure-decode step cost by batch size (all policies' steps):", ""] + table(
         ["sequences in the step", "steps", "median step (ms)", "per sequence (ms)"],
         [[r["batch"], r["num_steps"], f"{r['median_ms']:.0f}", f"{r['median_ms_per_token']:.1f}"] for r in decode_step_cost(results)])
-    return lines + ["Timelines: each row one request, by arrival; grey queued, orange prefill, blue decode.", ""]
+    return lines + ["Timelines: a row per request, by arrival; grey queued, orange prefill, blue decode.", ""]
 
 
 def _timeline(ax, policy: dict[str, Any], name: str, x_max: float) -> None:
@@ -227,35 +221,21 @@ def _timeline(ax, policy: dict[str, Any], name: str, x_max: float) -> None:
     ax.legend(handles=[Patch(color=c, label=k) for k, c in COLORS.items()], loc="upper right", fontsize=7, ncol=3)
 
 
-def plots(results: dict[str, Any]) -> dict[str, Any]:
+def plots(results: dict[str, Any]) -> dict[str, report.Plot]:
     policies = results["policies"]
     x_max = max(p["summary"]["makespan_s"] for p in policies.values()) * 1.02 + 0.5
-    height = max(2.5, 0.09 * results["workload"]["num_requests"] + 1)
 
-    def timelines(names: list[str]):
-        def draw(plt):
-            fig, axes = plt.subplots(len(names), 1, figsize=(11, height * len(names)), sharex=True, squeeze=False)
-            for ax, name in zip(axes[:, 0], names, strict=True):
-                _timeline(ax, policies[name], name, x_max)
-            axes[-1, 0].set_xlabel("time since the first arrival (s)")
-            return fig
-        return draw
-
-    def batch_sizes(plt):
-        fig, axes = plt.subplots(len(policies), 1, figsize=(11, 2.2 * len(policies) + 0.6), sharex=True, sharey=True, squeeze=False)
-        for ax, (name, p) in zip(axes[:, 0], policies.items(), strict=True):
-            steps = p["steps"]
-            t = [st["start_s"] for st in steps] + [steps[-1]["start_s"] + steps[-1]["duration_s"]]
-            ax.step(t, [st["num_seqs"] for st in steps] + [0], where="post", label="sequences in the step")
-            ax.step(t, [st["num_waiting"] for st in steps] + [0], where="post", color="tab:red", linestyle="--", label="waiting after it")
-            ax.set_title(f"{name}: mean batch {p['summary']['mean_batch_size']:.1f} per step", fontsize=10, loc="left")
-            ax.set(ylabel="requests", xlim=(0, x_max))
-            ax.legend(fontsize=7, loc="upper right")
+    def timelines(plt):
+        height = max(2.5, 0.09 * results["workload"]["num_requests"] + 1)
+        fig, axes = plt.subplots(len(policies), 1, figsize=(11, height * len(policies)), sharex=True, squeeze=False)
+        for ax, name in zip(axes[:, 0], policies, strict=True):
+            _timeline(ax, policies[name], name, x_max)
         axes[-1, 0].set_xlabel("time since the first arrival (s)")
         return fig
 
-    return {"batching_timeline": timelines(list(policies)), "batching_batch_size": batch_sizes,
-            **{f"batching_timeline_{name}": timelines([name]) for name in policies}}
+    return {"batching_timeline": timelines, "batching_batch_size": report.lines(
+        "Sequences in each step", "time since the first arrival (s)", "sequences", {n: [(st["start_s"], st["num_seqs"]) for st in p["steps"]]
+                                                                                   for n, p in policies.items()})}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -265,15 +245,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-requests", type=int, default=96)
     p.add_argument("--rate", type=float, help="Poisson arrivals per second (default: --load x the capacity calibrated first)")
     p.add_argument("--load", type=float, default=1.5, help="arrival rate as a multiple of the calibrated capacity")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default, every core)")
-    p.add_argument("--max-num-seqs", type=int, default=32, help="batch cap, every policy")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-num-seqs", type=int, default=32, help="the batch cap, every policy")
     p.add_argument("--batch-size", type=int, default=0, help="static/dynamic batch size (0: --max-num-seqs)")
-    p.add_argument("--static-timeout-s", type=float, default=2.0, help="static: longest wait for a full batch")
-    p.add_argument("--kv-cache-gib", type=float, default=1.0)
-    p.add_argument("--policy-timeout-s", type=float, default=300.0, help="abort a policy's run this long after its last arrival")
+    p.add_argument("--static-timeout-s", type=float, default=2.0, help="static: the longest wait for a full batch")
+    for flag, kind, default in (("--seed", int, 0), ("--threads", int, 0), ("--max-num-batched-tokens", int, 2048), ("--kv-cache-gib", float, 1.0),
+                                ("--policy-timeout-s", float, 300.0)):
+        p.add_argument(flag, type=kind, default=default)
     p.add_argument("--out-dir", help="default reports/ (build/bench-batching-quick/ with --quick)")
     p.add_argument("--quick", action="store_true", help="smoke run: 16 requests, a quarter of the tokens")
     args = p.parse_args(argv)

@@ -1,14 +1,10 @@
-"""W1 offline throughput (docs/benchmarks.md): engines side by side in one run.
+"""W1 offline throughput (docs/benchmarks.md): 64 requests x 128 random prompt tokens (seed 0, ids in [100,
+vocab)) x 128 output tokens, greedy, ignore_eos, bf16, all at once, on each engine of loadtest/engines.py
+(native, HF `generate` in static batches of 16, vLLM when installed), side by side: each in a worker process
+of its own (its peak RSS is its own), loaded and warmed up once, repeats interleaved, ratios paired per
+repeat; right before every run, the run's compute floor (loadtest/compute_floor.py) and its share of it.
 
-64 requests x 128 random prompt tokens (seed 0, ids uniform in [100, vocab)) x 128 output tokens,
-greedy, ignore_eos, bf16, every request submitted at once, on each engine of loadtest/engines.py
-(native, HF `generate` in static batches of 16, vLLM when installed). Each engine runs in a worker
-process of its own (its peak RSS is its own), loads once and warms up once; the repeats are
-interleaved (the order rotated per repeat) and ratios are paired per repeat. Right before every run,
-the run's compute floor is measured (loadtest/compute_floor.py) and the run's share of it taken.
-
-    .venv/bin/python -m loadtest.bench_engine                # = make bench-engine → reports/engine_throughput.*
-    .venv/bin/python -m loadtest.bench_engine --quick        # 8 x 32 x 16 tokens, 2 repeats → build/bench-quick/
+    .venv/bin/python -m loadtest.bench_engine [--quick]     # reports/engine_throughput.* (--quick: build/bench-quick/)
     .venv/bin/python -m loadtest.bench_engine --device cuda --repeats 1 --out-dir $OUT
 """
 
@@ -126,22 +122,10 @@ def body(results: dict[str, Any]) -> list[str]:
                            f"{r['other_cpu_cores']:.2f}"] for rep, name, r in runs])
 
 
-def plot(results: dict[str, Any]):
-    def draw(plt):
-        ran = [(name, e) for name, e in results["engines"].items() if e["runs"]]
-        fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-        for ax, key, title in ((axes[0], "output_tok_s", "output tokens/s"), (axes[1], "total_tok_s", "(prompt + output) tokens/s")):
-            med = [e[key]["median"] for _, e in ran]
-            ax.bar(range(len(ran)), med, yerr=[[m - e[key]["min"] for m, (_, e) in zip(med, ran, strict=True)],
-                                               [e[key]["max"] - m for m, (_, e) in zip(med, ran, strict=True)]], capsize=6)
-            ax.set_xticks(range(len(ran)), [e["label"].replace(" (", "\n(") + (f"\n{e['ratio_vs_baseline']['median']:.2f}× baseline"
-                                                                             if e.get("ratio_vs_baseline") else "") for _, e in ran], fontsize=8)
-            ax.set(title=title, ylabel="tokens/s (median; bars: min–max over repeats)")
-        w = results["workload"]
-        fig.suptitle(f"W1: {w['num_requests']} × {w['prompt_len']} prompt × {w['output_len']} output tokens, {w['dtype']}, {w['device']}")
-        return fig
-
-    return draw
+def plot(results: dict[str, Any]) -> report.Plot:
+    ran = {e["label"]: e for e in results["engines"].values() if e["runs"]}
+    return report.bars("W1 throughput (median; bars: min–max over repeats)", "tokens/s",
+                       {key.replace("_", " "): {label: e[key] for label, e in ran.items()} for key in ("output_tok_s", "total_tok_s")})
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -155,15 +139,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--min-token-id", type=int, default=100, help="lowest prompt token id (skips special tokens)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"))
-    p.add_argument("--hf-batch-size", type=int, default=16)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--kv-cache-gib", type=float, default=1.0)
-    p.add_argument("--threads", type=int, default=0, help="torch threads per worker (0: torch's default)")
+    for flag, kind, default in (("--hf-batch-size", int, 16), ("--max-num-seqs", int, 64), ("--max-num-batched-tokens", int, 2048),
+                                ("--kv-cache-gib", float, 1.0), ("--threads", int, 0), ("--run-timeout-s", float, 3600.0)):
+        p.add_argument(flag, type=kind, default=default)
     p.add_argument("--vllm-enforce-eager", action="store_true", help="vLLM without torch.compile (starts faster)")
     p.add_argument("--out-dir", help="default reports/ (build/bench-quick/ with --quick)")
     p.add_argument("--quick", action="store_true", help="tiny smoke run: 8 requests x 32 x 16 tokens, 2 repeats")
-    p.add_argument("--run-timeout-s", type=float, default=3600.0)
     args = p.parse_args(argv)
     for key, value in (QUICK if args.quick else W1).items():
         if getattr(args, key) is None:

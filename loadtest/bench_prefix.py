@@ -1,17 +1,13 @@
-"""W4 prefix routing: the prefix-aware router vs occupancy-only (`kv_aware`), power of two, round robin
-and Ray's `PrefixCacheAffinityRouter` (loadtest/ray_prefix_router.py), on the same workloads
-(loadtest/prefix_workloads.py).
+"""W4 prefix routing: the prefix-aware router vs occupancy-only (`kv_aware`), power of two, round robin and Ray's
+`PrefixCacheAffinityRouter` (loadtest/ray_prefix_router.py) on the same workloads (loadtest/prefix_workloads.py):
+per router, 2 LLMServer replicas (small KV caches, one torch thread each) in a private Ray, every workload
+replayed closed loop through the LLMServer handle with what the ingress would send (the text, which Ray's
+router reads, and the token ids, which ours hashes), one replay per seed, seeds pooled. Per workload and
+router: TTFT, throughput, prompt tokens served from the prefix cache against the ideal, the prefix-aware
+router's predicted − actual cached tokens, requests per replica.
 
-One private Ray on 127.0.0.1; per router the app with 2 LLMServer replicas (small KV caches, one torch
-thread each), every workload replayed from this process through the LLMServer handle. Requests carry
-what the ingress would send: the text (`prompt`, or chat `messages`, which Ray's router reads) and the
-token ids from the engine's `InputProcessor` (which ours hashes). Workloads are closed loops, one replay
-per seed, seeds pooled. Per workload and router: TTFT p50/p99, e2e p99, throughput, prompt tokens
-served from the prefix cache against the ideal, the prefix-aware router's predicted − actual cached
-tokens, requests per replica.
-
-    make bench-prefix                                     # reports/prefix_routing.{json,md,png}
-    .venv/bin/python -m loadtest.bench_prefix --quick     # one seed, smaller caches (a few minutes)
+    make bench-prefix                                     # reports/prefix_routing.*
+    .venv/bin/python -m loadtest.bench_prefix --quick     # one seed, smaller caches → build/bench-prefix-quick/
 """
 
 from __future__ import annotations
@@ -203,24 +199,6 @@ def body(results: dict[str, Any]) -> list[str]:
          for t in results["targets"]])
 
 
-def plot(results: dict[str, Any]):
-    def draw(plt):
-        routers, names = list(results["routers"]), results["workload"]["names"]
-        fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
-        width = 0.8 / max(len(routers), 1)
-        for ax, key, title in ((axes[0], "ttft_p50_s", "TTFT p50 (s)"), (axes[1], "hit_ratio_vs_ideal", "prefix hits ÷ ideal"),
-                               (axes[2], "requests_per_s", "requests/s")):
-            for i, router in enumerate(routers):
-                ax.bar([k + i * width for k in range(len(names))],
-                       [results["routers"][router]["workloads"].get(n, {}).get(key) or 0 for n in names], width, label=router)
-            ax.set_xticks([k + width * (len(routers) - 1) / 2 for k in range(len(names))], names)
-            ax.set_title(title)
-            ax.legend(fontsize=7)
-        return fig
-
-    return draw
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--routers", nargs="+", default=list(ROUTERS), choices=ROUTERS)
@@ -251,7 +229,9 @@ def main() -> None:
                 results["routers"][router] = run_router(router, opts, tokenizer, probe_dir, loop)
                 results["targets"] = targets(results)  # after each router: a run cut short still leaves its results
                 paths = report.write(results, out_dir, "prefix_routing", "W4 prefix routing: prefix-aware vs occupancy-only, power of two, "
-                                     "round robin, Ray's PrefixCacheAffinityRouter", body(results), {"prefix_routing": plot(results)})
+                                     "round robin, Ray's PrefixCacheAffinityRouter", body(results), {"prefix_routing": report.bars(
+                    "TTFT p50 by workload and router", "seconds", {w: {r: v["workloads"].get(w, {}).get("ttft_p50_s") for r, v in results["routers"].items()}
+                                                                   for w in opts.workloads})})
     finally:
         loop.close()
         shutil.rmtree(probe_dir, ignore_errors=True)

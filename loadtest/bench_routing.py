@@ -1,20 +1,11 @@
-"""W3 routing (docs/benchmarks.md): KV-aware vs power-of-two vs round-robin on the same traces.
+"""W3 routing (docs/benchmarks.md): KV-aware vs power-of-two vs round-robin on the same traces. Per router, 2
+LLMServer replicas (small KV caches, one torch thread each) in a private Ray, and each trace replayed open
+loop through the LLMServer handle (which routes as the ingress's does): **skewed** (~12% long requests,
+384-token prompt → 128 tokens, among 48 → 16) and **uniform** (every request the mix's mean size), Poisson at
+`--load` x the capacity a saturated closed loop measured on the first router. One replay per seed, pooled
+(a p99 over one ~90-request replay is its slowest one or two); each seed's ratio shows the spread.
 
-One private Ray on 127.0.0.1; for each router the app is deployed with 2 LLMServer replicas (small KV
-caches, one torch thread each) and the same traces are replayed open-loop from this process through
-the LLMServer deployment's handle (which routes with the app's router, as the ingress's handle does):
-
-- skewed: Poisson arrivals, ~12% long requests (384-token prompt → 128 tokens) among short (48 → 16);
-- uniform: the same arrival process, every request of the mix's mean size.
-
-Unless `--rate` is given, a saturated closed loop on the first router's deployment measures what the
-two replicas complete per second, and the traces arrive at `--load` (0.85) x that. Each trace is
-replayed once per seed, idle in between: a p99 over one ~90-request replay is its one or two slowest
-requests, so percentiles pool every seed's requests and each seed's ratio is listed as the spread.
-Preemptions and requests per replica come from the replica probe (loadtest/replica_probe.py).
-
-    .venv/bin/python -m loadtest.bench_routing            # make bench-routing → reports/routing.{json,md,png}
-    .venv/bin/python -m loadtest.bench_routing --quick    # one seed, 8 s traces → build/bench-routing-quick/
+    .venv/bin/python -m loadtest.bench_routing [--quick]   # reports/routing.* (--quick: one seed → build/bench-routing-quick/)
 """
 
 from __future__ import annotations
@@ -244,7 +235,6 @@ def run_router(router: str, opts: argparse.Namespace, mix: Mix, probe_dir: Path,
                     per_replica[rid] = {k: per_replica.get(rid, {}).get(k, 0) + v for k, v in counts.items()}
                 print(f"[bench-routing] {router} {name} seed {seed}: {json.dumps(per_seed[-1], default=lambda x: round(x, 3))}", flush=True)
             out["runs"][name] = {**summarize_run(pooled, wall, preemptions, per_replica), "per_seed": per_seed, "rate_req_s": rate,
-                                 "ttft_cdf": sorted(r.ttft_s for r in pooled if r.ttft_s is not None),
                                  "requests": [asdict(r) for r in pooled]}
     return out, rate
 
@@ -252,12 +242,10 @@ def run_router(router: str, opts: argparse.Namespace, mix: Mix, probe_dir: Path,
 # ---- report ---------------------------------------------------------------------------------------------
 def body(results: dict[str, Any]) -> list[str]:
     m, w = results["mix"], results["workload"]
-    lines = [f"Per router: 2 LLMServer replicas, bf16, {w['num_blocks']} KV blocks × 16 tokens each, max_num_seqs 16, 1 torch thread each, "
-             "routing stats every 0.2 s; load from this process through the LLMServer handle, streamed, greedy, ignore_eos. Traces (one "
-             f"per seed, seeds {w['seeds']}, in turn; Poisson, {w['duration_s']:.0f} s of arrivals at {num(w.get('rate_req_s'))} req/s = "
-             f"{w['load']} × the calibrated capacity {num(w.get('capacity_req_s'))} req/s): **skewed** {m['long_fraction']:.0%} long "
-             f"({m['long_prompt']} → {m['long_output']} tokens) among short ({m['short_prompt']} → {m['short_output']}); **uniform** every "
-             f"request {m['mean_prompt']} → {m['mean_output']}. TTFT from each request's scheduled arrival; percentiles pool every seed.", ""]
+    lines = [f"Seeds {w['seeds']}, {w['duration_s']:.0f} s of arrivals at {num(w.get('rate_req_s'))} req/s = {w['load']} × the calibrated capacity "
+             f"{num(w.get('capacity_req_s'))} req/s; {w['num_blocks']} KV blocks × 16 tokens per replica; skewed: {m['long_fraction']:.0%} "
+             f"{m['long_prompt']} → {m['long_output']} among {m['short_prompt']} → {m['short_output']}; uniform: {m['mean_prompt']} → "
+             f"{m['mean_output']}. TTFT from each request's scheduled arrival; percentiles pool every seed.", ""]
     for name in TRACES:
         runs = {router: r["runs"][name] for router, r in results["routers"].items() if name in r["runs"]}
         lines += [f"## {name} trace", ""] + table(
@@ -279,29 +267,6 @@ def body(results: dict[str, Any]) -> list[str]:
         ["trace", "TTFT p99 (pooled)", "TTFT p99 per seed", "TTFT p50", "e2e p99", "output tok/s", "target", "met"], rows)
 
 
-def plot(results: dict[str, Any]):
-    def draw(plt):
-        routers = list(results["routers"])
-        fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
-        width = 0.8 / max(len(routers), 1)
-        for i, router in enumerate(routers):
-            runs, xs = results["routers"][router]["runs"], [t + i * width for t in range(len(TRACES))]
-            axes[0].bar(xs, [runs.get(t, {}).get("ttft_p99_s") or 0 for t in TRACES], width, label=f"{router} p99")
-            axes[0].scatter(xs, [runs.get(t, {}).get("ttft_p50_s") or 0 for t in TRACES], color="black", marker="_", s=200, zorder=3)
-            axes[1].bar(xs, [runs.get(t, {}).get("output_tok_s") or 0 for t in TRACES], width, label=router)
-            cdf = runs.get("skewed", {}).get("ttft_cdf", [])
-            axes[2].plot(cdf, [(k + 1) / len(cdf) for k in range(len(cdf))], drawstyle="steps-post", label=router)
-        for ax, title in ((axes[0], "TTFT p99 (bars) and p50 (ticks), s"), (axes[1], "output tokens/s")):
-            ax.set_xticks([t + width * (len(routers) - 1) / 2 for t in range(len(TRACES))], TRACES)
-            ax.set_title(title)
-            ax.legend(fontsize=8)
-        axes[2].set(xscale="log", title="TTFT CDF, skewed trace", xlabel="seconds (log)")
-        axes[2].legend(fontsize=8)
-        return fig
-
-    return draw
-
-
 def write_report(results: dict[str, Any], out_dir: Path, raw_path: Path | None = None) -> list[Path]:
     """routing.{json,md,png}; every request's timings and replica only in `raw_path`."""
     if raw_path is not None:
@@ -309,7 +274,9 @@ def write_report(results: dict[str, Any], out_dir: Path, raw_path: Path | None =
         raw_path.write_text(json.dumps(results, default=str))
     committed = {**results, "routers": {router: {**r, "runs": {n: {k: v for k, v in run.items() if k != "requests"} for n, run in r["runs"].items()}}
                                         for router, r in results["routers"].items()}}
-    return report.write(committed, out_dir, "routing", "W3 routing: KV-aware vs power-of-two vs round-robin", body(results), {"routing": plot(results)})
+    plot = report.bars("TTFT p99 by trace and router (pooled over seeds)", "seconds",
+                       {t: {router: r["runs"].get(t, {}).get("ttft_p99_s") for router, r in results["routers"].items()} for t in TRACES})
+    return report.write(committed, out_dir, "routing", "W3 routing: KV-aware vs power-of-two vs round-robin", body(results), {"routing": plot})
 
 
 def main() -> None:

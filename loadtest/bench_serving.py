@@ -1,20 +1,12 @@
-"""The serving path (`make bench-serving`, docs/serving-path.md): its ceiling with the null engine, then
-the real engine through Ray Serve against the same engine called directly, then other stacks, in one run.
+"""The serving path (`make bench-serving`, docs/serving-path.md), in one run: (1) its ceiling, the null engine
+behind Serve (loadtest/serving_path.py); (2) the real engine through Ray Serve (streamed POST /v1/completions
+→ proxy → OpenAIIngress → LLMServer → SSE) against the same engine called in this process: TTFT at low load
+(one request at a time, taking turns), output tok/s at 8/32/64 streams (128 random prompt tokens, greedy,
+ignore_eos), CPU per output token per process group, event gaps, tokens per event, CPU steal; repeats
+alternate the order, ratios are paired per repeat; (3) other stacks' servers against their own engines
+(loadtest/serving_anchors.py).
 
-1. Null-engine sweep (loadtest/serving_path.py): streams × output length × ingress replicas × stream
-   batching × multiplexing × profile (through the proxy, or direct ingress with Serve's throughput
-   settings): tokens/s carried, CPU ms per output token per process group, TTFT and ITL at the client.
-2. Real engine (the config's engine options): TTFT at low load (one request at a time, direct and Serve
-   taking turns), output tok/s at 8/32/64 concurrent streams (128 random prompt tokens, `--output-len`
-   tokens each, greedy, ignore_eos), CPU per output token per process group, the gaps between a
-   stream's events, tokens per event, the host's CPU steal. Direct: `AsyncLLMEngine.generate` in this
-   process; Serve: streamed POST /v1/completions → proxy → OpenAIIngress → LLMServer → SSE. Repeats
-   alternate the order; ratios are paired per repeat.
-3. Anchors (loadtest/serving_anchors.py): vLLM-CPU's OpenAI server and Ray Serve LLM (classic and with
-   direct streaming) against vLLM offline, and our offline `LLM`, at `--anchor-concurrency` streams.
-
-    .venv/bin/python -m loadtest.bench_serving            # reports/serving.{json,md,png}
-    .venv/bin/python -m loadtest.bench_serving --quick    # smoke run → build/bench-serving-quick/
+    .venv/bin/python -m loadtest.bench_serving [--quick]    # reports/serving.* (--quick: build/bench-serving-quick/)
 """
 
 from __future__ import annotations
@@ -288,37 +280,30 @@ def anchor_lines(results: dict[str, Any]) -> list[str]:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default="configs/local.yaml", help="Serve YAML whose first application's args are used")
-    parser.add_argument("--replicas", type=int, nargs="+", default=[1], help="LLMServer replica counts to measure")
-    parser.add_argument("--replica-threads", type=int, nargs="+", default=[0], help="torch threads per replica per --replicas entry (0: all cores)")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--ttft-requests", type=int, default=16)
-    parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[8, 32, 64])
-    null = parser.add_argument_group("null engine sweep (the path's ceiling)")
-    null.add_argument("--null-streams", type=int, nargs="+", default=[64, 256])
-    null.add_argument("--null-output-lens", type=int, nargs="+", default=[128, 512])
-    null.add_argument("--null-ingress", type=int, nargs="+", default=[1, 2], help="ingress replica counts")
-    null.add_argument("--null-batch", type=float, nargs="+", default=[0.0, 0.05], help="stream_batch_interval_s values")
-    null.add_argument("--null-mux", nargs="+", default=["off", "on"], choices=("off", "on"), help="stream_multiplexing values")
-    null.add_argument("--null-step-time", type=float, default=0.02, help="null engine step time (s)")
-    null.add_argument("--null-max-num-seqs", type=int, default=256)
-    null.add_argument("--null-repeats", type=int, default=2)
-    null.add_argument("--null-profiles", nargs="+", default=list(serving_path.PROFILES), choices=serving_path.PROFILES,
-                      help="default: through the HTTP proxy; direct: Serve's throughput settings + direct ingress")
-    parser.add_argument("--real-mux", nargs="+", default=["off", "on"], choices=("off", "on"), help="stream_multiplexing values, real engine")
-    parser.add_argument("--real-batch", type=float, nargs="+", help="stream_batch_interval_s values, real engine (default: the config's)")
-    parser.add_argument("--real-profiles", nargs="+", default=list(serving_path.PROFILES), choices=serving_path.PROFILES + serving_path.EXPERIMENTAL_PROFILES,
-                        help="as --null-profiles; haproxy: our LLMServer replicas as the HTTP ingress behind HAProxy (a prototype; runs alone)")
-    parser.add_argument("--anchors", nargs="*", default=list(serving_anchors.ANCHORS), choices=serving_anchors.ANCHORS,
-                        help="other stacks on the same workload (vLLM ones need `make install-vllm`, Ray Serve LLM also pyarrow); none: skip")
-    parser.add_argument("--anchor-concurrency", type=int, nargs="+", default=[32])
-    parser.add_argument("--skip-null", action="store_true", help="only the real engine: Serve vs direct")
-    parser.add_argument("--skip-real", action="store_true", help="only the null-engine sweep")
-    parser.add_argument("--serve-env", nargs="*", default=[], metavar="NAME=VALUE", help="environment for every Ray/Serve process")
-    parser.add_argument("--out-dir")
-    parser.add_argument("--quick", action="store_true", help="null 64 streams × 128 tokens once; real engine 1 repeat of 16 tokens at 8, 32 streams")
+    add, profiles = parser.add_argument, serving_path.PROFILES
+    add("--config", default="configs/local.yaml", help="Serve YAML whose first application's args are used")
+    add("--replicas", type=int, nargs="+", default=[1], help="LLMServer replica counts")
+    add("--replica-threads", type=int, nargs="+", default=[0], help="torch threads per replica per --replicas entry (0: all cores)")
+    for flag, default in (("--repeats", 3), ("--ttft-requests", 16), ("--prompt-len", 128), ("--output-len", 64), ("--null-max-num-seqs", 256),
+                          ("--null-repeats", 2)):
+        add(flag, type=int, default=default)
+    for flag, kind, default in (("--concurrency", int, [8, 32, 64]), ("--anchor-concurrency", int, [32]), ("--null-streams", int, [64, 256]),
+                                ("--null-output-lens", int, [128, 512]), ("--null-ingress", int, [1, 2]), ("--null-batch", float, [0.0, 0.05])):
+        add(flag, type=kind, nargs="+", default=default)
+    add("--null-step-time", type=float, default=0.02, help="null engine step time (s)")
+    add("--null-mux", nargs="+", default=["off", "on"], choices=("off", "on"), help="stream_multiplexing values, null engine")
+    add("--null-profiles", nargs="+", default=list(profiles), choices=profiles, help="default: through the proxy; direct: direct ingress")
+    add("--real-mux", nargs="+", default=["off", "on"], choices=("off", "on"), help="stream_multiplexing values, real engine")
+    add("--real-batch", type=float, nargs="+", help="stream_batch_interval_s values, real engine (default: the config's)")
+    add("--real-profiles", nargs="+", default=list(profiles), choices=profiles + serving_path.EXPERIMENTAL_PROFILES,
+        help="haproxy: our LLMServer replicas as the HTTP ingress behind HAProxy (a prototype; runs alone)")
+    add("--anchors", nargs="*", default=list(serving_anchors.ANCHORS), choices=serving_anchors.ANCHORS,
+        help="other stacks (vLLM ones need `make install-vllm`, Ray Serve LLM also pyarrow); none: skip")
+    add("--skip-null", action="store_true", help="only the real engine: Serve vs direct")
+    add("--skip-real", action="store_true", help="only the null-engine sweep")
+    add("--serve-env", nargs="*", default=[], metavar="NAME=VALUE", help="environment for every Ray/Serve process")
+    add("--out-dir")
+    add("--quick", action="store_true", help="null 64 streams × 128 tokens once; real engine 1 repeat of 16 tokens at 8, 32 streams")
     opts = parser.parse_args()
     if opts.quick:
         opts.repeats, opts.ttft_requests, opts.output_len, opts.concurrency, opts.anchor_concurrency = 1, 4, 16, [8, 32], [8]
@@ -367,7 +352,7 @@ def main() -> None:
         results["anchors"] = {"concurrency": opts.anchor_concurrency,
                               "results": serving_anchors.measure(opts.anchors, args["model"], engine_kwargs, opts, vocab)}
     out_dir = opts.out_dir or ("build/bench-serving-quick" if opts.quick else "reports")
-    plots = {"serving": serving_path.plot(results)} if "null" in results else {}
+    plots = {"serving": serving_path.plot(results["null"])} if "null" in results else {}
     paths = report.write(results, out_dir, "serving", "The serving path: its ceiling (null engine) and its cost with the real engine",
                          body(results), plots)
     print(paths[1].read_text())

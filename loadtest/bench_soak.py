@@ -81,19 +81,6 @@ def body(results: dict[str, Any]) -> list[str]:
         [[p["requests"], p.get("outcomes", {}), *(f"{p['rss'][n] / 2**20:.1f}" for n in summary)] for p in results["points"]])
 
 
-def plot(results: dict[str, Any]):
-    def draw(plt):
-        fig, ax = plt.subplots(figsize=(8, 4.5))
-        for name in results["summary"]:
-            ax.plot([p["requests"] for p in results["points"]], [p["rss"][name] / 2**20 for p in results["points"]], marker="o", label=f"LLMServer {name}")
-        ax.axvline(results["round_size"], color="grey", linestyle=":", label="end of warm-up")
-        ax.set(xlabel="streamed requests sent", ylabel="replica RSS (MiB)", title="Soak: RSS per LLMServer replica")
-        ax.legend()
-        return fig
-
-    return draw
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="configs/local.yaml", help="Serve config whose serving options are used")
@@ -127,7 +114,9 @@ def main() -> None:
         loop.run_until_complete(client.aclose())
     results["summary"] = summarize(results["points"], opts.round_size)
     paths = report.write(results, opts.out_dir or ("build/bench-soak-quick" if opts.quick else "reports"), "soak",
-                         "Soak: LLMServer replica memory under sustained streamed load", body(results), {"soak": plot(results)})
+                         "Soak: LLMServer replica memory under sustained streamed load", body(results), {"soak": report.lines(
+                             f"RSS per LLMServer replica (the warm-up ends at {opts.round_size} requests)", "streamed requests sent", "RSS (MiB)",
+                             {n: [(p["requests"], p["rss"][n] / 2**20) for p in results["points"]] for n in results["summary"]})})
     print(paths[1].read_text())
 
 

@@ -1,17 +1,12 @@
-"""W5 speculative decoding: when does speculation pay, and does adaptive k find it?
+"""W5 speculative decoding: when does speculation pay, and does adaptive k find it? Workloads: `grounded` (the
+reply copies or edits text from the prompt) and `open` (new text), greedy chat prompts; each concurrency level
+keeps that many requests in flight (a closed loop, timed at step boundaries). Settings side by side: the
+native engine without speculation, fixed k 2 and 4 (n-gram), adaptive k, in one worker process, interleaved;
+vLLM-CPU (eager) without and with its n-gram speculation (k 4, prompt lookup 2-4), each in its own process.
+Per workload × concurrency × setting: output tok/s, TPOT, acceptance, mean k, the speedup over the same
+engine without speculation and whether the outputs are token-identical to it (float32: they must be).
 
-Workloads: `grounded` (the reply copies or edits text from the prompt: copy a paragraph, fix a typo in
-code and return all of it, repeat a text) and `open` (stories, explanations), greedy chat prompts of up
-to `--max-tokens` output tokens. Each concurrency level keeps that many requests in flight (a closed
-loop, requests timed at step boundaries) until its prompts are done. Settings side by side: the native
-engine without speculation, with fixed k 2 and 4 (n-gram), with adaptive k; vLLM-CPU (eager) without and
-with its n-gram speculation (k 4, prompt lookup 2-4). The native settings share one worker process and
-run interleaved; each vLLM setting runs in a process of its own. Per workload × concurrency × setting:
-output tok/s, TPOT p50/p99, acceptance, mean k, the speedup over the same engine without speculation,
-and whether the outputs are token-identical to it (float32 by default: then they must be).
-
-    .venv/bin/python -m loadtest.bench_spec           # = make bench-spec → reports/speculative.{json,md,png}
-    .venv/bin/python -m loadtest.bench_spec --quick   # concurrency 1 and 16, fewer requests → build/bench-spec-quick/
+    .venv/bin/python -m loadtest.bench_spec [--quick]   # reports/speculative.* (--quick: concurrency 1 and 16 → build/bench-spec-quick/)
 """
 
 from __future__ import annotations
@@ -38,18 +33,13 @@ SETTINGS: dict[str, tuple[str, dict[str, Any] | None]] = {
 }
 BASELINE = {"native": "native off", "vllm": "vLLM off"}
 REQUESTS_PER_LEVEL, QUICK_REQUESTS = {1: 4, 4: 8, 16: 16, 64: 64}, {1: 2, 4: 4, 16: 16, 64: 32}
-SENTENCES = ["The old lighthouse keeper climbed the spiral stairs every evening at dusk.",
-             "He lit the great lamp and wrote the names of passing ships in a leather notebook.",
-             "The notebook had belonged to his grandfather, who kept the same light for forty years.",
-             "On stormy nights the waves broke over the rocks and shook the windows of the tower.",
-             "Fishermen in the village said the light had never once gone dark in a century.",
-             "In the spring the keeper painted the railings white and mended the wooden door.",
-             "A small grey cat followed him up the stairs and slept beside the warm lamp.",
-             "Every Sunday a boat brought bread, oil and letters from the mainland.",
-             "The river flows through the valley and turns the wheel of the old mill.",
-             "Children from the school walk along the bank to watch the herons fish in the shallows.",
-             "The baker opens his shop at five and sells warm rolls to the workers on the early train.",
-             "At the market the farmers sell apples, cheese, honey and fresh eggs from their farms."]
+SENTENCES = [
+    "The old lighthouse keeper climbed the spiral stairs every evening at dusk.", "He lit the great lamp and wrote the names of passing ships in a leather notebook.",
+    "The notebook had belonged to his grandfather, who kept the same light for forty years.", "On stormy nights the waves broke over the rocks and shook the windows of the tower.",
+    "Fishermen in the village said the light had never once gone dark in a century.", "In the spring the keeper painted the railings white and mended the wooden door.",
+    "A small grey cat followed him up the stairs and slept beside the warm lamp.", "Every Sunday a boat brought bread, oil and letters from the mainland.",
+    "The river flows through the valley and turns the wheel of the old mill.", "Children from the school walk along the bank to watch the herons fish in the shallows.",
+    "The baker opens his shop at five and sells warm rolls to the workers on the early train.", "At the market the farmers sell apples, cheese, honey and fresh eggs from their farms."]
 CODE = ["def total_price(items):\n    total = 0\n    for item in items:\n        total += item.price * item.quantity\n    retrun total\n",
         "def is_even(number):\n    if number % 2 == 0:\n        return True\n    else:\n        retrun False\n",
         "def greet(name):\n    message = 'Hello, ' + name + '!'\n    print(mesage)\n    return message\n"]
@@ -60,9 +50,11 @@ TOPICS = ["a dragon who is afraid of the dark", "the first day at a new school",
 
 def message(workload: str, rng: random.Random) -> str:
     if workload == "grounded":
-        return [f"Copy this paragraph word for word:\n\n{' '.join(rng.sample(SENTENCES, 4))}",
-                f"Fix the spelling mistake in this Python code and write out the whole corrected code:\n\n{rng.choice(CODE)}",
-                f"Repeat the following text exactly, then stop:\n\n{' '.join(rng.sample(SENTENCES, 3))}"][rng.randrange(3)]
+        kind = rng.randrange(3)
+        if kind == 1:
+            return f"Fix the spelling mistake in this Python code and write out the whole corrected code:\n\n{rng.choice(CODE)}"
+        text = " ".join(rng.sample(SENTENCES, 4 if kind == 0 else 3))
+        return f"Copy this paragraph word for word:\n\n{text}" if kind == 0 else f"Repeat the following text exactly, then stop:\n\n{text}"
     topic = rng.choice(TOPICS)
     return rng.choice([f"Write a short story about {topic}.", f"Explain {topic} to a ten year old.", f"Write a poem about {topic}."])
 
@@ -223,25 +215,6 @@ def body(results: dict[str, Any]) -> list[str]:
     return lines + [f"- {k}: {v}" for k, v in results["notes"].items()]
 
 
-def plot(results: dict[str, Any]):
-    def draw(plt):
-        workloads = sorted({r["workload"] for r in results["rows"]})
-        fig, axes = plt.subplots(1, len(workloads), figsize=(6 * len(workloads), 4.5), squeeze=False)
-        for ax, workload in zip(axes[0], workloads, strict=True):
-            rows = [r for r in results["rows"] if r["workload"] == workload and r["speedup"] is not None and r["setting"] not in BASELINE.values()]
-            for setting in dict.fromkeys(r["setting"] for r in rows):
-                pts = sorted((r["concurrency"], r["speedup"], r["speedup_min"], r["speedup_max"]) for r in rows if r["setting"] == setting)
-                ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[[p[1] - p[2] for p in pts], [p[3] - p[1] for p in pts]], marker="o",
-                            capsize=3, label=setting, linestyle="--" if setting.startswith("vLLM") else "-")
-            ax.axhline(1.0, color="grey", linewidth=1)
-            ax.set_xscale("log", base=2)
-            ax.set(xlabel="concurrency (requests in flight)", ylabel="speedup over the same engine without speculation", title=f"W5 {workload}")
-            ax.legend(fontsize=8)
-        return fig
-
-    return draw
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="models/smollm2-135m-instruct")
@@ -279,12 +252,9 @@ def main(argv: list[str] | None = None) -> int:
         if SETTINGS[group[0]][0] == "vllm" and importlib.util.find_spec("vllm") is None:
             results["notes"][group[0]] = "vllm is not installed (make install-vllm)"
             continue
+        worker = None
         try:
             worker = Worker("loadtest.bench_spec:SpecEngines", {**opts, "settings": group}, args.setting_timeout_s)
-        except WorkerError as exc:
-            results["notes"][", ".join(group)] = str(exc).splitlines()[0]
-            continue
-        try:
             for workload in args.workloads.split(","):
                 for c in args.concurrency:
                     for repeat in range(args.repeats):
@@ -296,12 +266,16 @@ def main(argv: list[str] | None = None) -> int:
         except WorkerError as exc:
             results["notes"][", ".join(group)] = str(exc).splitlines()[0]
         finally:
-            worker.stop()
+            if worker:
+                worker.stop()
     results["settings"] = {s: SETTINGS[s] for s in args.settings}
     results["rows"] = summarize(runs)
     results["runs"] = [{k: v for k, v in r.items() if k != "token_ids"} for r in runs]
     report.write(results, args.out_dir, "speculative", "W5: speculative decoding (native n-gram fixed k / adaptive k vs vLLM-CPU n-gram)",
-                 body(results), {"speculative": plot(results)} if results["rows"] else {})
+                 body(results), {"speculative": report.lines("Speedup over the same engine without speculation", "requests in flight", "speedup", {
+                     f"{w} {s}": [(r["concurrency"], r["speedup"]) for r in results["rows"] if (r["workload"], r["setting"]) == (w, s)]
+                     for w, s in dict.fromkeys((r["workload"], r["setting"]) for r in results["rows"] if r["speedup"] and r["setting"] not in BASELINE.values())},
+                     log="x")})
     return 0
 
 

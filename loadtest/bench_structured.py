@@ -141,20 +141,6 @@ def body(results: dict[str, Any]) -> list[str]:
         f"(min {min(c) * 1e3:.0f}, max {max(c) * 1e3:.0f})."]
 
 
-def plot(results: dict[str, Any]):
-    def draw(plt):
-        med = results["medians"]
-        fig, ax = plt.subplots(1, 2, figsize=(12, 4.5))
-        ax[0].barh(list(med), [v["output_tok_s"] for v in med.values()], color="tab:blue")
-        ax[0].set_xlabel("output tok/s")
-        ax[1].barh(list(med), [(v["tpot_median_s"] or 0) * 1e3 for v in med.values()], color="tab:orange")
-        ax[1].set(xlabel="TPOT median (ms)", yticks=[])
-        fig.suptitle(f"Structured outputs: {len(PRODUCTS)} concurrent JSON-schema requests")
-        return fig
-
-    return draw
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="models/smollm2-135m-instruct")
@@ -204,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         ratios["vLLM-CPU constrained / unconstrained output tok/s"] = med["vllm constrained"]["output_tok_s"] / med["vllm unconstrained"]["output_tok_s"]
     results.update(schema=SCHEMA, num_requests=len(PRODUCTS), max_tokens=MAX_TOKENS, runs=runs, valid_outputs=validity, medians=med, ratios=ratios)
     paths = report.write(results, args.out_dir, "structured", "Structured outputs: constrained vs unconstrained decoding", body(results),
-                         {"structured": plot(results)})
+                         {"structured": report.bars("Output tok/s (median over repeats)", "tok/s", {"": {k: v["output_tok_s"] for k, v in med.items()}})})
     print(paths[1].read_text())
     return 0
 

@@ -1,17 +1,10 @@
-"""The compute floor of a W1 run: its FLOPs at the machine's measured matmul rate.
-
-FLOPs (multiply-adds count 2): every token of the run goes through the decoder's projections
-(q/k/v, o, gate/up, down) and attends over its context (QK^T and PV: 4 x context x heads x head_dim
-per layer); the lm_head runs once per sampled token (a prompt's last token, then every decode).
-Prefill tokens are counted at the rate of a `prefill_rows`-row matmul (the step token budget), decode
-tokens at a `decode_rows`-row one (the batch), each measured here with the model's own projection
-shapes in its dtype (on CPU in bf16: oneDNN with packed weights, and the engine's C++ kernels where
-they run, whichever is faster), after warm-up, best of `repeats`. Attention FLOPs are
-charged at the same rate, so the floor is optimistic: no engine can beat it on this machine.
-
-`Floor(opts)` runs in a worker process of its own (loadtest/worker.py), with the engines' thread count:
-W1 measures the floor right before every engine run, because this machine's speed drifts by 10-15%
-over minutes, enough to move a share measured once by as much.
+"""The compute floor of a W1 run: its FLOPs at the machine's measured matmul rate (multiply-adds count 2).
+Every token goes through the projections and attends over its context (4 x context x heads x head_dim per
+layer); the lm_head runs once per sampled token. Prefill tokens are charged at the rate of a
+`prefill_rows`-row matmul (the step budget), decode tokens at a `decode_rows`-row one (the batch), measured
+with the model's projection shapes (on CPU in bf16: oneDNN with packed weights or the engine's C++ kernels,
+whichever is faster), best of `repeats`; attention at the same rate, so no engine can beat the floor.
+`Floor` runs in a worker process and is measured right before every W1 run (the machine drifts 10-15%).
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
-"""Decode-step latency sweep: one engine decode step at batch sizes 1..256, beside its memory floor.
-
-For each batch size b, b requests with `--context` tokens of context each decode one token per step (the
-model runner alone: no scheduler, no detokenizer); the step time is the median over `--steps` timed steps
-after warm-up, with p10-p90. The floor: the bytes a step must read (every weight once, plus the b
-contexts' K/V) over the device's copy bandwidth measured in the same run (read + write). On CUDA with
-graphs each step is one graph replay, so what remains above the floor is launch and kernel cost.
+"""Decode-step latency sweep: one decode step of the model runner alone (no scheduler, no detokenizer) at batch
+sizes 1..256 with `--context` tokens each, median and p10-p90 over `--steps` steps, beside its memory floor:
+every weight once plus the batch's K/V over the device's copy bandwidth measured in the same run. With CUDA
+graphs a step is one replay, so what remains above the floor is launch and kernel cost.
 
     python -m loadtest.decode_sweep --device cuda --out-dir reports/gpu     # gpu_check.sh runs this
     python -m loadtest.decode_sweep --quick                                 # CPU smoke run → build/decode-sweep-quick/
@@ -100,23 +97,16 @@ def main() -> int:
                                 "floor_ms": floor_s * 1e3, "tok_s": b / med, "of_floor": floor_s / med})
         print(f"[sweep] batch {b:4d}: step {med * 1e3:8.3f} ms (floor {floor_s * 1e3:7.3f} ms), {b / med:9.0f} tok/s", flush=True)
 
-    def plot(plt):
-        fig, ax = plt.subplots(figsize=(7, 4))
-        rows = results["rows"]
-        ax.plot(sizes, [r["step_ms"] for r in rows], "o-", label="decode step (median)")
-        ax.fill_between(sizes, [r["p10_ms"] for r in rows], [r["p90_ms"] for r in rows], alpha=0.2)
-        ax.plot(sizes, [r["floor_ms"] for r in rows], "k--", label="weight + KV streaming floor")
-        ax.set(xscale="log", yscale="log", xlabel="batch size (sequences)", ylabel="ms per step", title=f"Decode step, {results['device']}, {args.dtype}")
-        ax.legend()
-        return fig
-
     report.write(results, args.out_dir or ("build/decode-sweep-quick" if args.quick else "reports"), "decode_sweep", "Decode-step latency sweep", [
         f"{results['device']}, {args.dtype}, attention `{runner.backend}`{', CUDA graphs' if results['cuda_graphs'] else ''}; KV blocks of "
         f"{args.block_size} tokens; context {args.context} tokens per request; median of {args.steps} steps (p10-p90). Floor: (weights "
         f"{w_bytes / 2**20:.0f} MiB + the batch's K/V) / measured copy bandwidth {bandwidth / 1e9:.0f} GB/s.", ""] + table(
         ["batch", "step (ms)", "p10-p90 (ms)", "floor (ms)", "floor / step", "tok/s"],
         [[r["batch"], f"{r['step_ms']:.3f}", f"{r['p10_ms']:.3f}-{r['p90_ms']:.3f}", f"{r['floor_ms']:.3f}", f"{100 * r['of_floor']:.0f}%", f"{r['tok_s']:.0f}"]
-         for r in results["rows"]]), {"decode_sweep": plot})
+         for r in results["rows"]]), {"decode_sweep": report.lines(
+        f"Decode step, {results['device']}, {args.dtype}", "batch size (sequences)", "ms per step", {
+            "decode step (median)": [(r["batch"], r["step_ms"]) for r in results["rows"]],
+            "weight + KV streaming floor": [(r["batch"], r["floor_ms"]) for r in results["rows"]]}, log="xy")})
     return 0
 
 

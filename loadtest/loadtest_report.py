@@ -110,35 +110,22 @@ def body(s: dict[str, Any], locust: dict[str, list[dict]], settings: str) -> lis
                     if locust["failures"] else [])
 
 
-def plots(records: list[dict]) -> dict[str, Any]:
+def plots(records: list[dict]) -> dict[str, report.Plot]:
+    """The TTFT CDF (all requests, and per class when there are several), throughput and TTFT over time."""
     ok = [r for r in records if r["ok"] and r["ttft_s"] is not None]
-
-    def cdf(plt):
-        fig, ax = plt.subplots(figsize=(7, 4.2))
-        names = sorted({r["name"] for r in ok})
-        for label, rows in {"all requests": ok, **({n: [r for r in ok if r["name"] == n] for n in names} if len(names) > 1 else {})}.items():
-            values = sorted(r["ttft_s"] for r in rows)
-            ax.step([values[0], *values], [0.0, *((i + 1) / len(values) for i in range(len(values)))], where="post",
-                    label=f"{label} (n={len(values)})", linewidth=2.2 if label == "all requests" else 1.2)
-        ax.set(xlabel="time to first token (s)", ylabel="fraction of requests", ylim=(0, 1.02), title="TTFT CDF")
-        ax.legend(fontsize=8, loc="lower right")
-        return fig
-
-    def over_time(plt):
-        series = time_series(records)
-        fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
-        top.plot(series["t"], series["tok_s"], marker=".", label="output tok/s")
-        twin = top.twinx()
-        twin.plot(series["t"], series["req_s"], color="tab:orange", marker=".")
-        top.set(ylabel="output tokens/s (blue)", title="Throughput over time", ylim=(0, None))
-        twin.set(ylabel="completed requests/s (orange)", ylim=(0, None))
-        for key in ("ttft_p50", "ttft_p90", "e2e_p50"):
-            bottom.plot(series["t"], [math.nan if v is None else v for v in series[key]], marker=".", label=key.replace("_", " "))
-        bottom.set(ylabel="seconds (requests sent in the bin)", xlabel="time since the first request (s)", title="Latency over time", ylim=(0, None))
-        bottom.legend(fontsize=8)
-        return fig
-
-    return {"loadtest_ttft_cdf": cdf, "loadtest_timeseries": over_time} if ok else {}
+    names = sorted({r["name"] for r in ok})
+    groups = {"all requests": ok, **({n: [r for r in ok if r["name"] == n] for n in names} if len(names) > 1 else {})}
+    cdf = {f"{k} (n={len(rows)})": [(t, (i + 1) / len(rows)) for i, t in enumerate(sorted(r["ttft_s"] for r in rows))] for k, rows in groups.items()}
+    if not ok:
+        return {}
+    series = time_series(records)
+    return {"loadtest_ttft_cdf": report.lines("TTFT CDF", "time to first token (s)", "fraction of requests", cdf),
+            "loadtest_timeseries": report.lines("Over time (per bin; latencies of the requests sent in it)", "time since the first request (s)",
+                                                "output tok/s, completed req/s ×100, TTFT p50/p90 ms", {
+                "output tok/s": list(zip(series["t"], series["tok_s"], strict=True)),
+                "completed req/s ×100": [(t, 100 * v) for t, v in zip(series["t"], series["req_s"], strict=True)],
+                **{f"{k.replace('_', ' ')} (ms)": [(t, 1000 * v) for t, v in zip(series["t"], series[k], strict=True) if v is not None]
+                   for k in ("ttft_p50", "ttft_p90")}})}
 
 
 def main(argv: list[str] | None = None) -> int:

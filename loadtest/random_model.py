@@ -1,9 +1,6 @@
-"""Write a random-weight model with a real model's architecture and tokenizer (for GPU checks only).
-
-Used by loadtest/gpu_check.sh on a machine where the real weights cannot be had (no network, so no
-`make model`) but the model directory's small files (config.json, tokenizer files, chat template)
-were copied over. Token-exactness against HF and throughput do not depend on the weights' values;
-only the "sensible text" check does, and the GPU tests skip it when they see the RANDOM_WEIGHTS marker.
+"""A random-weight model with a real model's architecture and tokenizer, for loadtest/gpu_check.sh where the
+weights cannot be had (no network) but the model directory's small files were copied over: token-exactness
+and throughput do not depend on the weights' values; the GPU tests skip the text check (`RANDOM_WEIGHTS`).
 
     python -m loadtest.random_model --like models/smollm2-135m-instruct --out build/random-smollm2
 """

@@ -1,18 +1,10 @@
 """Per-replica engine facts for routing tests and benchmarks, through the `stat_logger_factories` hook.
 
-Add `"loadtest.replica_probe:make_probe_logger"` to a ServeConfig's `stat_logger_factories` and set
-the environment variable `SERVE_APP_PROBE_DIR` (Ray workers inherit it from the process that started
-Ray; the repository root must be the driver's working directory so replicas can import `loadtest`).
-Each LLMServer replica then keeps `<dir>/<replica id>.json` up to date with:
-
-    {"replica_id", "node_id", "pid", "request_ids": [engine request ids it ran, in order],
-     "num_finished", "num_preemptions", "num_steps", "max_kv_cache_usage", "max_num_waiting"}
-
-so a test can tell exactly which replica (and node) served which request, and a benchmark can count
-preemptions per replica without a Prometheus scrape. The file is rewritten (atomically) whenever a
-request finishes or is preempted, and at most every 0.2 s when only new requests appeared; every
-request finishes, so the last write holds the final state. Without the environment variable the
-logger does nothing.
+With `FACTORY` in a ServeConfig's `stat_logger_factories` and `PROBE_DIR_ENV` set where Ray starts (its
+workers inherit it), each LLMServer replica keeps `<dir>/<replica id>.json` up to date: {"replica_id",
+"node_id", "pid", "request_ids" (engine request ids it ran, in order), "num_finished", "num_preemptions",
+"num_steps", "max_kv_cache_usage", "max_num_waiting"}, rewritten atomically when a request finishes or is
+preempted, at most every 0.2 s when only new requests appeared (so the last write holds the final state).
 """
 
 from __future__ import annotations

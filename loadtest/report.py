@@ -1,10 +1,10 @@
 """Every benchmark's report, in one shape: `<out_dir>/<name>.json` (everything measured), `<name>.md` (a
-header — title, the exact command, date, machine, load before and after, duration — then the
-benchmark's own tables) and `<name>.png` plus any other named figures (matplotlib, when installed).
+header — title, the exact command, date, machine, load before and after, duration — then the benchmark's
+tables) and PNG figures (matplotlib, when installed; `bars` and `lines` draw the usual ones).
 
     results = report.start("bench_x")          # command, date, machine facts (load before)
     ... measure into results ...
-    report.write(results, out_dir, "x", "Title", body_lines, {"x": plot_fn})
+    report.write(results, out_dir, "x", "Title", body_lines, {"x": report.bars(...)})
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def start(module: str, device: str = "cpu") -> dict[str, Any]:
 
 
 def cell(s: dict[str, float] | None, scale: float = 1.0, digits: int = 1) -> str:
-    """A spread as `median (min–max)`; just the value when there was one repeat; – for none."""
+    """A spread as `median (min–max)`; the value alone for one repeat; – for none."""
     if not s:
         return "–"
     if s["n"] == 1:
@@ -48,9 +48,42 @@ def num(value: float | None, digits: int = 2, scale: float = 1.0) -> str:
 
 
 def table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
-    """Markdown table lines (cells as given, stringified)."""
-    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
-            *("| " + " | ".join(str(c) for c in row) + " |" for row in rows), ""]
+    """Markdown table lines (cells as given, stringified), then a blank line."""
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header), *("| " + " | ".join(str(c) for c in row) + " |" for row in rows), ""]
+
+
+def bars(title: str, ylabel: str, groups: dict[str, dict[str, Any]]) -> Plot:
+    """Grouped bars: a group per key of `groups`, a bar per series in it; a spread ({"median", "min",
+    "max"}) draws its median with the min–max as an error bar; None draws nothing."""
+    def draw(plt):
+        series = list(dict.fromkeys(k for g in groups.values() for k in g))
+        fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(groups) * max(len(series), 1)), 4.5))
+        width = 0.8 / max(len(series), 1)
+        for i, name in enumerate(series):
+            values = [groups[g].get(name) for g in groups]
+            med = [(v["median"] if isinstance(v, dict) else v) or 0.0 for v in values]
+            err = [[m - v["min"] if isinstance(v, dict) else 0 for m, v in zip(med, values, strict=True)],
+                   [v["max"] - m if isinstance(v, dict) else 0 for m, v in zip(med, values, strict=True)]]
+            ax.bar([k + i * width for k in range(len(groups))], med, width, yerr=err, capsize=4, label=name)
+        ax.set_xticks([k + width * (len(series) - 1) / 2 for k in range(len(groups))], list(groups), fontsize=8)
+        ax.set(title=title, ylabel=ylabel)
+        ax.legend(fontsize=7)
+        return fig
+
+    return draw
+
+
+def lines(title: str, xlabel: str, ylabel: str, series: dict[str, list[tuple[float, float]]], log: str = "") -> Plot:
+    """A line per series through its (x, y) points; `log`: the axes on a log scale ("x", "y", "xy")."""
+    def draw(plt):
+        fig, ax = plt.subplots(figsize=(8, 4.5))
+        for name, points in series.items():
+            ax.plot([x for x, _ in points], [y for _, y in points], marker="o" if len(points) < 30 else None, label=name)
+        ax.set(title=title, xlabel=xlabel, ylabel=ylabel, xscale="log" if "x" in log else "linear", yscale="log" if "y" in log else "linear")
+        ax.legend(fontsize=7)
+        return fig
+
+    return draw
 
 
 def _save_plots(plots: dict[str, Plot], out_dir: Path) -> list[Path]:
@@ -65,15 +98,13 @@ def _save_plots(plots: dict[str, Plot], out_dir: Path) -> list[Path]:
     for name, draw in plots.items():
         fig = draw(plt)
         paths.append(out_dir / f"{name}.png")
-        if fig.get_layout_engine() is None:  # a figure may bring its own (constrained, for an outside legend)
-            fig.tight_layout()
+        fig.tight_layout()
         fig.savefig(paths[-1], dpi=110)
         plt.close(fig)
     return paths
 
 
-def write(results: dict[str, Any], out_dir: str | Path, name: str, title: str, body: Sequence[str],
-          plots: dict[str, Plot] | None = None) -> list[Path]:
+def write(results: dict[str, Any], out_dir: str | Path, name: str, title: str, body: Sequence[str], plots: dict[str, Plot] | None = None) -> list[Path]:
     """Add the load after and the duration to `results` and write the report's files (again, when called
     again: a long benchmark writes after each part); returns their paths."""
     out_dir = Path(out_dir)

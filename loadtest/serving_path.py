@@ -1,11 +1,9 @@
-"""The serving path's ceiling: the null engine (loadtest/null_backend.py) behind the real Serve app.
-
-One point = one deployment (ingress replicas, stream batching interval, multiplexing, profile) × one
-load (concurrent streams × output tokens each, every stream started at once). The client reads raw
-SSE bytes and timestamps every read (`Completions.reads`: its own cost stays small, and is counted
-apart). Per point: tokens/s carried against what the null engine makes alone; CPU ms per output token
-per process group (the replica's serving work = its process minus the null engine's thread, read from
-/proc by the thread's name); TTFT and the gaps between a stream's reads (ITL) at the client.
+"""The serving path's ceiling: the null engine (loadtest/null_backend.py) behind the real Serve app. A point = a
+deployment (ingress replicas, stream batching, multiplexing, profile) × a load (streams × output tokens, all
+started at once). The client reads raw SSE bytes (`Completions.reads`: its own cost small, counted apart).
+Per point: tokens/s carried against what the null engine makes alone; CPU ms per output token per process
+group (the replica's serving work = its process less the null engine's thread, found by name in /proc); TTFT
+and the gaps between a stream's reads (ITL).
 """
 
 from __future__ import annotations
@@ -17,7 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from loadtest import machine
+from loadtest import machine, report
 from loadtest.null_backend import ENGINE_THREAD_NAME
 from loadtest.report import table
 from loadtest.stats import percentile
@@ -179,26 +177,10 @@ def report_lines(null: dict[str, Any]) -> list[str]:
             "Targets (1 ingress replica, stream batching 50 ms): ≥ 10,000 output tok/s carried, ≤ 0.1 ms serving CPU per token:", "", *targets, ""]
 
 
-def plot(results: dict[str, Any]):
-    """tok/s carried and serving CPU per token against streams, one line per deployment × output length."""
-    def draw(plt):
-        null, fig = results["null"], plt.figure(figsize=(12, 6.5), layout="constrained")
-        ax_rate, ax_cpu = fig.subplots(1, 2)
-        lens = sorted({p["output_len"] for v in null["variants"] for p in v["points"]})
-        for color, variant in zip(plt.cm.tab10.colors, null["variants"], strict=False):
-            medians = _median_points(variant)
-            for output_len in lens:
-                keys = [k for k in medians if k[1] == output_len]
-                style = {"color": color, "linestyle": ("-", "--", ":", "-.")[lens.index(output_len) % 4], "marker": "o"}
-                ax_rate.plot([s for s, _ in keys], [medians[k]["output_tok_s"] for k in keys], label=f"{variant['label']}, {output_len} tok", **style)
-                ax_cpu.plot([s for s, _ in keys], [medians[k]["serving_cpu_ms_per_token"] for k in keys], **style)
-        streams = sorted({p["streams"] for v in null["variants"] for p in v["points"]})
-        w = null["workload"]
-        ax_rate.plot(streams, [engine_rate(s, w["step_time_s"], w["max_num_seqs"]) for s in streams], "k--", label="null engine alone")
-        ax_rate.set(xlabel="concurrent streams", ylabel="output tokens/s carried", title="What the Serve path carries", ylim=(0, None))
-        ax_cpu.axhline(0.1, color="k", linestyle=":", label="target 0.1 ms")
-        ax_cpu.set(xlabel="concurrent streams", ylabel="serving CPU ms per output token", title="Serving CPU per token", ylim=(0, None))
-        fig.legend(*ax_rate.get_legend_handles_labels(), loc="outside lower center", ncol=2, fontsize=8)
-        return fig
-
-    return draw
+def plot(null: dict[str, Any]) -> report.Plot:
+    """Tokens/s carried against streams, a line per deployment × output length, and the null engine alone."""
+    w, lens = null["workload"], sorted({p["output_len"] for v in null["variants"] for p in v["points"]})
+    series = {f"{v['label']}, {n} tok": [(s, m["output_tok_s"]) for (s, n2), m in _median_points(v).items() if n2 == n] for v in null["variants"] for n in lens}
+    streams = sorted({p["streams"] for v in null["variants"] for p in v["points"]})
+    return report.lines("What the Serve path carries (null engine)", "concurrent streams", "output tokens/s carried",
+                        {**series, "null engine alone": [(s, engine_rate(s, w["step_time_s"], w["max_num_seqs"])) for s in streams]})
