@@ -1,10 +1,7 @@
-"""The benchmarks' HTTP client: streamed OpenAI completions over one pooled aiohttp session, timed at
-the client (TTFT, the arrival of every event that carries text, TPOT, output tokens).
-
-aiohttp, not httpx: httpcore 1.0's pool walks every pooled connection, and for each one the whole pool
-again, whenever a request starts or ends; with 256 keep-alive connections that made the client the
-bottleneck (its CPU per token doubled, 256 streams took 4 s to start instead of 0.6 s). The session is
-opened on the event loop of the first call (an aiohttp session belongs to one loop).
+"""The benchmarks' HTTP client: streamed OpenAI completions over one pooled aiohttp session, timed at the client
+(TTFT, the arrival of every event with text, TPOT, tokens); `Stream` parses any SSE completion stream (the
+locustfile's too). aiohttp, not httpx: httpcore 1.0's pool walks every pooled connection, and for each the
+whole pool again, whenever a request starts or ends (with 256 connections the client's CPU per token doubled).
 """
 
 from __future__ import annotations
@@ -81,6 +78,7 @@ class Completions:
         self._session = None
 
     def _client(self):
+        """The session, opened on the event loop of the first call (an aiohttp session belongs to one loop)."""
         import aiohttp
 
         if self._session is None:

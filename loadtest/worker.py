@@ -1,10 +1,10 @@
-"""An engine in a process of its own: its peak RSS is its own, its threads and imports (torch, vLLM)
-stay out of the benchmark's process, and a crash is a result, not the end of the run.
+"""An engine in a process of its own: its peak RSS is its own, its threads and imports (torch, vLLM) stay out of
+the benchmark's process, and a crash is a result, not the end of the run.
 
-`Worker("loadtest.engines:build", opts)` spawns a process that builds the object `build(opts)` and
-then answers calls: `worker.call("run", prompts, 128)` returns `obj.run(prompts, 128)`. A failure in
-the process raises `WorkerError` here (its traceback's last line first); after a failed call the
-worker goes on serving, after a failed build or its death it is gone.
+`Worker("loadtest.engines:build", opts)` spawns a process that builds `build(opts)` and then answers calls:
+`worker.call("run", prompts, 128)` returns its `run(prompts, 128)`. A failure there raises `WorkerError` here
+(its traceback's last line first); after a failed call the worker goes on serving, after a failed build or
+its death it is gone.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ class WorkerError(RuntimeError):
 
 
 def _call(conn, fn, *args: Any) -> bool:
-    """Send fn(*args) or the traceback of its failure; whether it succeeded."""
+    """Send fn(*args), or the traceback of its failure; whether it succeeded."""
     try:
         conn.send(("result", fn(*args)))
         return True
@@ -43,7 +43,7 @@ def _serve(target: str, opts: dict[str, Any], conn) -> None:
 
 
 class Worker:
-    """The process, with its process tree's peak RSS sampled every 0.1 s (psutil; 0 without it)."""
+    """The process, its process tree's peak RSS sampled every 0.1 s (psutil; 0 without it)."""
 
     def __init__(self, target: str, opts: dict[str, Any], timeout_s: float = 3600.0) -> None:
         ctx = mp.get_context("spawn")
@@ -52,12 +52,10 @@ class Worker:
         self.proc = ctx.Process(target=_serve, args=(target, opts, child), name=target.rpartition(":")[2])
         self.proc.start()
         child.close()
-        self.timeout_s, self.peak_rss = timeout_s, 0
-        self._halt = threading.Event()
+        self.timeout_s, self.peak_rss, self._halt, started = timeout_s, 0, threading.Event(), time.perf_counter()
         threading.Thread(target=self._sample_rss, daemon=True).start()
-        started = time.perf_counter()
         try:
-            self._answer(timeout_s)
+            self._answer()
         except WorkerError:
             self.stop()
             raise
@@ -67,8 +65,8 @@ class Worker:
         while not self._halt.wait(0.1):
             self.peak_rss = max(self.peak_rss, machine.rss_bytes(machine.tree(self.proc.pid)))
 
-    def _answer(self, timeout_s: float) -> Any:
-        deadline = time.monotonic() + timeout_s
+    def _answer(self) -> Any:
+        deadline = time.monotonic() + self.timeout_s
         while time.monotonic() < deadline:
             if self.conn.poll(1.0):
                 try:
@@ -85,18 +83,15 @@ class Worker:
     def call(self, method: str, *args: Any) -> Any:
         try:
             self.conn.send((method, args))
-        except (BrokenPipeError, OSError) as exc:
+        except OSError as exc:  # (a broken pipe)
             raise WorkerError(f"{self.proc.name}: gone ({exc!r})") from exc
-        return self._answer(self.timeout_s)
-
-    def cpu_s(self) -> float:
-        return machine.cpu_s(machine.tree(self.proc.pid))
+        return self._answer()
 
     def stop(self) -> None:
         self._halt.set()
         try:
             self.conn.send(("stop", ()))
-        except (BrokenPipeError, OSError):
+        except OSError:
             pass
         self.proc.join(30)
         if self.proc.is_alive():

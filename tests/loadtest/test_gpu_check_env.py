@@ -40,7 +40,7 @@ ENGINE_MODULES = [
 ]
 TEST_MODULES = ["tests.conftest", "tests.engine.conftest", "tests.gpu.test_gpu_exact", "tests.gpu.test_gpu_paths",
                 "tests.engine.test_triton_kernels"]
-SCRIPT_MODULES = ["loadtest.bench_engine", "loadtest.decode_sweep", "loadtest.random_model", "loadtest.engines", "loadtest.compute_floor",
+SCRIPT_MODULES = ["loadtest.bench_engine", "loadtest.decode_sweep", "loadtest.engines", "loadtest.compute_floor",
                   "loadtest.worker", "loadtest.report"]
 
 CHILD = r"""
