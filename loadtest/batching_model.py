@@ -215,20 +215,3 @@ def step_cost_model(results: dict[str, Any]) -> dict[str, Any] | None:
         out["fixed_only_bound_vs_static"] = out["policies"]["static"]["num_steps"] / ideal_steps
         out["prompt_share_of_static_busy"] = per_prompt * w["prompt_tokens"] / out["policies"]["static"]["busy_s"]
     return out
-
-
-DECODE_BUCKETS = ((1, 4), (5, 8), (9, 16), (17, 32), (33, 64), (65, 512))
-
-
-def decode_step_cost(results: dict[str, Any]) -> list[dict[str, Any]]:
-    """Median wall time of pure-decode steps by batch size over every policy's steps: how a step's cost
-    grows with the sequences in it."""
-    steps = [st for p in results["policies"].values() for st in p["steps"] if st["num_prefill_tokens"] == 0 and st["num_seqs"]]
-    rows = []
-    for lo, hi in DECODE_BUCKETS:
-        bucket = [st for st in steps if lo <= st["num_seqs"] <= hi]
-        if bucket:
-            med = percentile([st["duration_s"] for st in bucket], 0.5)
-            rows.append({"batch": f"{lo}-{hi}", "num_steps": len(bucket), "median_ms": med * 1000,
-                         "median_ms_per_token": med * 1000 / percentile([st["num_seqs"] for st in bucket], 0.5)})
-    return rows

@@ -28,7 +28,6 @@ from loadtest.batching_model import (
     StepRecord,
     TraceRequest,
     compare,
-    decode_step_cost,
     describe_trace,
     fit_step_cost,
     make_trace,
@@ -175,11 +174,8 @@ def body(results: dict[str, Any]) -> list[str]:
     if m := step_cost_model(results):
         lines += ["## Step-cost model: the bound on this machine", "",
                   f"Fit over every step (R² {m['r2']:.2f}): a step costs **{m['fixed_ms']:.1f} ms fixed + {m['per_decode_token_ms']:.2f} ms "
-                  f"per decoding sequence + {m['per_prompt_token_ms']:.2f} ms per prompt token**.", ""]
-        lines += table(["policy", "steps", "engine busy (s)", "model's prediction (s)"],
-                       [[n, p["num_steps"], f"{p['busy_s']:.1f}", f"{p['predicted_busy_s']:.1f}"] for n, p in m["policies"].items()]
-                       + [["ideal continuous (every decode step full)", m["ideal_continuous"]["num_steps"], "–",
-                           f"{m['ideal_continuous']['busy_s']:.1f}"]])
+                  f"per decoding sequence + {m['per_prompt_token_ms']:.2f} ms per prompt token**; an ideal continuous batcher (every decode step "
+                  f"full) would need {m['ideal_continuous']['num_steps']} steps, {m['ideal_continuous']['busy_s']:.1f} s of engine time.", ""]
         if b := m.get("makespan_bound"):
             lines += [f"No admission policy can finish this trace in less than **{b['bound_s']:.1f} s** from its first arrival (work bound "
                       f"{b['work_bound_s']:.1f} s, chain bound {b['chain_bound_s']:.1f} s; batching_model.makespan_lower_bound), so none can "
@@ -192,15 +188,10 @@ def body(results: dict[str, Any]) -> list[str]:
                            [[n, f"{f['fixed_ms']:.1f}", f"{f['per_decode_token_ms']:.2f}", f"{f['per_prompt_token_ms']:.2f}", f"{f['r2']:.2f}",
                              f"{f['bound_s']:.1f}", f"{pol[n]['makespan_s']:.1f}", f"**{f['share_of_bound']:.0%}**"] for n, f in m["own_fits"].items()])
     lines += ["## Diagnostics", ""] + table(
-        ["policy", "makespan (s)", "steps", "mean step (ms)", "time-weighted batch", "max batch", "engine busy", "process CPU (cores)",
-         "load avg 1m start→end", "preemptions", "max send lag (ms)"],
-        [[n, f"{s['makespan_s']:.1f}", s["num_steps"], f"{s['mean_step_s'] * 1000:.0f}", f"{s['time_weighted_batch_size']:.1f}",
-          s["max_batch_size"], f"{s['busy_fraction']:.0%}", f"{s['process_cpu_cores']:.2f}",
-          f"{s['load_avg_1m_at_start']:.1f}→{s['load_avg_1m_at_end']:.1f}", s["num_preemptions"], f"{s['max_arrival_lag_s'] * 1000:.0f}"]
+        ["policy", "makespan (s)", "steps", "mean step (ms)", "max batch", "engine busy", "process CPU (cores)", "load avg 1m start→end", "max send lag (ms)"],
+        [[n, f"{s['makespan_s']:.1f}", s["num_steps"], f"{s['mean_step_s'] * 1000:.0f}", s["max_batch_size"], f"{s['busy_fraction']:.0%}",
+          f"{s['process_cpu_cores']:.2f}", f"{s['load_avg_1m_at_start']:.1f}→{s['load_avg_1m_at_end']:.1f}", f"{s['max_arrival_lag_s'] * 1000:.0f}"]
          for n, s in pol.items()])
-    lines += ["Pure-decode step cost by batch size (all policies' steps):", ""] + table(
-        ["sequences in the step", "steps", "median step (ms)", "per sequence (ms)"],
-        [[r["batch"], r["num_steps"], f"{r['median_ms']:.0f}", f"{r['median_ms_per_token']:.1f}"] for r in decode_step_cost(results)])
     return lines + ["Timelines: a row per request, by arrival; grey queued, orange prefill, blue decode.", ""]
 
 
@@ -303,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         log(f"{name}: {s['output_tok_s']:.1f} output tok/s, TTFT p50 {num(s['ttft_p50_s'])} s, makespan {s['makespan_s']:.1f} s"
             + ("" if s["complete"] else " (INCOMPLETE)"))
     results["comparison"] = compare({k: v["summary"] for k, v in results["policies"].items()})
-    results["decode_step_cost"], results["step_cost_model"] = decode_step_cost(results), step_cost_model(results)
+    results["step_cost_model"] = step_cost_model(results)
     raw = Path("build/bench-batching") / ("raw-quick.json" if args.quick else "raw.json")  # every step: what the PNGs show
     raw.parent.mkdir(parents=True, exist_ok=True)
     raw.write_text(json.dumps(results, default=str) + "\n")

@@ -38,19 +38,9 @@ def make_prompts(num_requests: int, prompt_len: int, vocab_size: int, min_token_
     return [[rng.randrange(min_token_id, vocab_size) for _ in range(prompt_len)] for _ in range(num_requests)]
 
 
-def agreement(tokens: list[list[int]], reference: list[list[int]]) -> dict[str, float]:
-    """How far two engines' greedy outputs agree (a sanity check: bf16 may legitimately diverge)."""
-    prefixes = []
-    for a, b in zip(tokens, reference, strict=True):
-        prefixes.append(next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))))
-    return {"first_token_match": sum(p >= 1 for p in prefixes) / len(prefixes),
-            "exact_match": sum(a == b for a, b in zip(tokens, reference, strict=True)) / len(prefixes),
-            "mean_common_prefix_tokens": sum(prefixes) / len(prefixes)}
-
-
-def summarize(results: dict[str, Any], last_tokens: dict[str, list[list[int]]]) -> None:
-    """Spreads over repeats, paired ratios against the baseline, shares of the floor measured right
-    before each run, greedy-token agreement (last repeat) and the W1 target, into `results`."""
+def summarize(results: dict[str, Any]) -> None:
+    """Spreads over repeats, paired ratios against the baseline, shares of the floor measured right before each
+    run and the W1 target, into `results`."""
     w, base = results["workload"], results["settings"]["baseline"]
     per_repeat = {name: {r["repeat"]: r["output_tok_s"] for r in e["runs"]} for name, e in results["engines"].items()}
     for name, e in results["engines"].items():
@@ -59,8 +49,6 @@ def summarize(results: dict[str, Any], last_tokens: dict[str, list[list[int]]]) 
         e["floor_share"] = spread(r["output_tok_s"] / r["floor_output_tok_s"] for r in e["runs"] if r.get("floor_output_tok_s"))
         if name != base and e["runs"]:
             e["ratio_vs_baseline"] = spread(paired_ratios(per_repeat, name, base))
-            if name in last_tokens and base in last_tokens:
-                e["agreement_vs_baseline"] = agreement(last_tokens[name], last_tokens[base])
         short = [r["repeat"] for r in e["runs"] if r["output_tokens"] != w["num_requests"] * w["output_len"]]
         if short:
             e["warning"] = f"repeats {short}: fewer output tokens than {w['num_requests'] * w['output_len']}"
@@ -95,11 +83,6 @@ def body(results: dict[str, Any]) -> list[str]:
         notes += [f"- **{name}**: {e[k]}" for k in ("skipped", "warning") if k in e]
         if "error" in e:
             notes.append(f"- **{name}** failed: `{e['error'].splitlines()[0]}` (traceback in the JSON)")
-        if "agreement_vs_baseline" in e:
-            a = e["agreement_vs_baseline"]
-            notes.append(f"- **{name}** vs {s['baseline']}, greedy tokens of the last repeat: first token equal for "
-                         f"{a['first_token_match']:.0%}, all equal for {a['exact_match']:.0%}, mean common prefix "
-                         f"{a['mean_common_prefix_tokens']:.1f} tokens (rounding can flip near-ties, then outputs diverge)")
         extras = [r["extra"] for r in e["runs"] if r["extra"]]
         if extras:
             notes.append(f"- **{name}** per run: " + "; ".join(f"{k} {[x[k] for x in extras]}" for k in extras[0]))
@@ -113,13 +96,11 @@ def body(results: dict[str, Any]) -> list[str]:
                      f"share of the floor measured just before it: {shares}")
     lines += table(["engine", "output tok/s", "total tok/s", "time per run (s)", "peak RSS (MiB)", "KV cache (MiB)",
                     f"output tok/s vs {s['baseline']}"], rows) + notes
-    lines += ["", f"Settings: {json.dumps(s)}.", *(f"- {n}: {json.dumps(e['info'])}" for n, e in results["engines"].items() if e.get("info")),
-              "", "Every run (other processes' CPU: the machine's busy CPU time minus this benchmark's, in cores; well above 0 the "
-              "absolute numbers are depressed and noisy, the paired ratios less so):", ""]
     runs = sorted((r["repeat"], name, r) for name, e in results["engines"].items() for r in e["runs"])
-    return lines + table(["repeat", "engine", "time (s)", "output tok/s", "total tok/s", "other processes' CPU (cores)"],
-                         [[rep + 1, name, f"{r['elapsed_s']:.1f}", f"{r['output_tok_s']:.1f}", f"{r['total_tok_s']:.1f}",
-                           f"{r['other_cpu_cores']:.2f}"] for rep, name, r in runs])
+    return lines + ["", "Every run (other processes' CPU: the machine's busy CPU time less this benchmark's, in cores: well above 0, the "
+                    "numbers are depressed and noisy):", ""] + table(
+        ["repeat", "engine", "time (s)", "output tok/s", "other processes' CPU (cores)"],
+        [[rep + 1, name, f"{r['elapsed_s']:.1f}", f"{r['output_tok_s']:.1f}", f"{r['other_cpu_cores']:.2f}"] for rep, name, r in runs])
 
 
 def plot(results: dict[str, Any]) -> report.Plot:
@@ -166,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     results["settings"] = {k: opts[k] for k in ("repeats", "hf_batch_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_gib",
                                                 "threads", "baseline")}
     results["engines"] = {n: {"label": engines.label(n, opts), "runs": []} for n in args.engines.split(",")}
-    results["compute_floors"], workers, last_tokens = [], {}, {}
+    results["compute_floors"], workers = [], {}
 
     def retire(name: str) -> None:
         worker = workers.pop(name)
@@ -215,14 +196,13 @@ def main(argv: list[str] | None = None) -> int:
                                   "total_tok_s": (out + args.num_requests * args.prompt_len) / res.elapsed_s, "extra": res.extra,
                                   "other_cpu_cores": max(0.0, other / wall), "floor_output_tok_s": measured.get("floor_output_tok_s"),
                                   "peak_gpu_allocated_mib": res.peak_gpu_allocated_mib})
-                last_tokens[name] = res.token_ids
                 log(f"repeat {rep + 1}/{args.repeats} {name}: {res.elapsed_s:.1f} s, {out / res.elapsed_s:.1f} output tok/s "
                     f"(floor {measured.get('floor_output_tok_s', float('nan')):.0f}, other processes {other / wall:.2f} cores)")
     finally:
         for name in list(workers):
             retire(name)
         floor.stop()
-    summarize(results, last_tokens)
+    summarize(results)
     paths = report.write(results, args.out_dir, "engine_throughput", "W1 engine throughput", body(results),
                          {"engine_throughput": plot(results)})
     log("wrote " + ", ".join(map(str, paths)))

@@ -23,7 +23,6 @@ from typing import Any
 
 from loadtest import report, server
 from loadtest.client import Completions, Stream
-from loadtest.replica_probe import serve_replicas
 from loadtest.report import table
 from tests.serving.faults import FAULT_FILE_ENV
 
@@ -41,7 +40,7 @@ def replaced(victim: str) -> bool:
     """Serve runs 2 replicas again, the victim not among them."""
     from ray import serve
 
-    names, status = set(serve_replicas(APP)), serve.status().applications[APP].deployments["LLMServer"]
+    names, status = set(server.serve_replicas(APP)), serve.status().applications[APP].deployments["LLMServer"]
     return victim not in names and len(names) == 2 and status.replica_states.get("RUNNING", 0) == 2
 
 

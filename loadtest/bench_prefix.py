@@ -24,9 +24,9 @@ from typing import Any
 from loadtest import prefix_workloads as pw
 from loadtest import report, server
 from loadtest.bench_routing import request_router, two_replicas
-from loadtest.replica_probe import PROBE_DIR_ENV, read_probes
 from loadtest.report import num, table
 from loadtest.stats import percentile, ratio
+from tests.replica_probe import PROBE_DIR_ENV, read_probes
 
 ROUTERS = ("prefix_aware", "kv_aware", "pow2", "round_robin", "ray_prefix")
 WORKLOADS = ("shared", "chat", "hot", "w3", "evict")
@@ -203,12 +203,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--routers", nargs="+", default=list(ROUTERS), choices=ROUTERS)
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
-    # 512 blocks (8k tokens): a few requests in flight use a small part of a replica's cache, as in
-    # production, so the prefixes (1.5-1.8x one cache) decide what fits, not the running requests
-    parser.add_argument("--num-blocks", type=int, default=512, help="KV blocks per replica (16 tokens each)")
+    # 512 blocks (8k tokens): a few requests in flight use a small part of a replica's cache, as in production, so the
+    # prefixes (1.5-1.8x one cache) decide what fits, not the running requests
+    for flag, kind, default, help_ in (("--num-blocks", int, 512, "KV blocks per replica (16 tokens each)"), ("--scale", float, 1.0,
+                                       "multiplies request counts"), ("--prefix-words", int, 360, "words per shared prefix (~1.55 tokens each)")):
+        parser.add_argument(flag, type=kind, default=default, help=help_)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
-    parser.add_argument("--scale", type=float, default=1.0, help="multiplies request counts")
-    parser.add_argument("--prefix-words", type=int, default=360, help="words per shared prefix (~1.55 tokens each)")
     parser.add_argument("--router-kwargs", default="", help='JSON settings for the KV routers, e.g. \'{"recompute_weight": 2}\'')
     parser.add_argument("--out-dir")
     parser.add_argument("--quick", action="store_true", help="one seed, 256-block caches, half-length prefixes, 3/4 of the requests")

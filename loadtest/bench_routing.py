@@ -22,10 +22,10 @@ from pathlib import Path
 from typing import Any
 
 from loadtest import report, server
-from loadtest.replica_probe import FACTORY, PROBE_DIR_ENV, read_probes, serve_replicas
 from loadtest.report import num, table
 from loadtest.stats import percentile, ratio
 from serve_app.serving.routing_policy import ROUTER_CLASSES
+from tests.replica_probe import FACTORY, PROBE_DIR_ENV, read_probes
 
 ROUTERS = ("pow2", "kv_aware", "round_robin")  # the first deployed calibrates the rate: the baseline
 TRACES = ("skewed", "uniform")
@@ -207,7 +207,7 @@ def run_router(router: str, opts: argparse.Namespace, mix: Mix, probe_dir: Path,
     # each router its own app name: Serve caches a driver's handles by (deployment, app) with their router
     with server.deployed(args, f"bench-routing-{router}") as app:
         out: dict[str, Any] = {"router": router, "deploy_s": app.startup_s, "runs": {}}
-        replica_ids = set(serve_replicas(app.name))
+        replica_ids = set(server.serve_replicas(app.name))
         loop.run_until_complete(replay(app.handle, make_trace("uniform", mix, 10.0, 0.4, 7), f"{router}-warmup", 60.0))
         out["router_class"] = type(request_router(app.handle)).__name__
         if out["router_class"] not in (ROUTER_CLASSES[router].rpartition(":")[2], "NoneType"):
@@ -282,13 +282,12 @@ def write_report(results: dict[str, Any], out_dir: Path, raw_path: Path | None =
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--routers", nargs="+", default=list(ROUTERS), choices=ROUTERS)
-    parser.add_argument("--duration", type=float, default=32.0, help="seconds of arrivals per trace")
-    parser.add_argument("--rate", type=float, help="arrivals/s (default: --load × calibrated capacity)")
-    parser.add_argument("--load", type=float, default=0.85)
-    parser.add_argument("--calibrate-s", type=float, default=32.0)
-    parser.add_argument("--calibrate-concurrency", type=int, default=16)
-    parser.add_argument("--num-blocks", type=int, default=96, help="KV blocks per replica (2 long + 8 short requests fill one)")
-    parser.add_argument("--drain-s", type=float, default=90.0, help="after the last arrival, wait this long at most")
+    for flag, kind, default, help_ in (("--duration", float, 32.0, "seconds of arrivals per trace"), ("--load", float, 0.85, "× the capacity"),
+                                       ("--rate", float, None, "arrivals/s (default: --load × the calibrated capacity)"),
+                                       ("--calibrate-s", float, 32.0, None), ("--calibrate-concurrency", int, 16, None),
+                                       ("--num-blocks", int, 96, "KV blocks per replica (2 long + 8 short requests fill one)"),
+                                       ("--drain-s", float, 90.0, "after the last arrival, wait this long at most")):
+        parser.add_argument(flag, type=kind, default=default, help=help_)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="one trace per seed, replayed in turn, pooled")
     parser.add_argument("--kv-router-kwargs", nargs="*", default=[], metavar="NAME=VALUE", type=lambda t: (t.partition("=")[0], json.loads(t.partition("=")[2])),
                         help="KVCacheAwareRouter options (routing_policy.KVRouterSettings), e.g. prefill_weight=0")

@@ -64,10 +64,6 @@ class DirectTarget:
     def cpu_seconds(self) -> dict[str, float]:
         return {"engine + client": machine.cpu_s(machine.tree(os.getpid())[:1])}
 
-    def close(self) -> None:
-        self.engine.shutdown()
-
-
 class ServeTarget:
     """The same engine options behind Ray Serve (the OpenAI API over HTTP on 127.0.0.1)."""
 
@@ -85,16 +81,14 @@ class ServeTarget:
                 self.processes.setdefault(next((g for key, g in PROCESS_GROUPS if key in cmd), "Ray core (raylet, GCS, ...)"), []).append(proc)
 
     async def hop_latency(self, num: int = 30) -> dict[str, float]:
-        """p50 round trip of requests that generate nothing: the serving layer's own latency."""
-        out = {}
-        for name, path in (("proxy_ingress_ms", "/v1/models"), ("proxy_ingress_replica_ms", "/health")):
-            times = []
-            for _ in range(num + 1):
-                start = time.perf_counter()
-                await self.client.get(path)
-                times.append(1000 * (time.perf_counter() - start))
-            out[name] = percentile(times[1:], 0.5)
-        return out
+        """The p50 round trip of requests that generate nothing (after one warm-up): the serving layer's own latency."""
+        async def ms(path: str) -> float:
+            start = time.perf_counter()
+            await self.client.get(path)
+            return 1000 * (time.perf_counter() - start)
+
+        return {name: percentile([await ms(path) for _ in range(num + 1)][1:], 0.5)
+                for name, path in (("proxy_ingress_ms", "/v1/models"), ("proxy_ingress_replica_ms", "/health"))}
 
     def cpu_seconds(self) -> dict[str, float]:
         return {"client": machine.cpu_s(machine.tree(os.getpid())[:1]), **{g: machine.cpu_s(p) for g, p in self.processes.items()}}
@@ -222,7 +216,6 @@ def body(results: dict[str, Any]) -> list[str]:
              f"tokens each. {w['repeats']} interleaved repeats; cells: median (min–max). Direct = `AsyncLLMEngine.generate` in this process; "
              "Serve = streamed POST /v1/completions → proxy → OpenAIIngress → LLMServer → SSE, timed at the client.", ""]
     lines += serving_path.report_lines(results["null"]) if "null" in results else []
-    derived = []
     for v in results["variants"]:
         s = v["summary"]
         rows = [["TTFT p50 at low load (ms)", cell(s["ttft"]["direct"], 1000), cell(s["ttft"]["serve"], 1000), f"+{cell(s['ttft']['overhead_ms'])} ms"],
@@ -235,12 +228,6 @@ def body(results: dict[str, Any]) -> list[str]:
                      [f"event gaps p50 / p99 at {c} streams (ms); tokens per event",
                       *(f"{cell(t[f'{n}_itl_p50_s'], 1000, 0)} / {cell(t[f'{n}_itl_p99_s'], 1000, 0)}; {1 / t[f'{n}_events_per_token']['median']:.2f}"
                         for n in ("direct", "serve")), ""]]
-            cpu = t["serve_cpu_ms_per_token"]
-            layer = sum(cpu[g]["median"] for g in cpu if g not in ("total", "LLMServer replicas", "client"))
-            replica, direct = cpu["LLMServer replicas"]["median"], t["direct_cpu_ms_per_token"]["total"]["median"]
-            derived.append(f"- {v['replicas']} replica(s), {streams_label(v)}, {c} streams: the serving processes spend {layer:.2f} ms CPU per "
-                           f"output token; the replica(s) {replica:.2f} ms against {direct:.2f} ms for the engine called directly "
-                           f"({100 * (replica / direct - 1):+.0f}%).")
         groups = [g for g in next(iter(s["throughput"].values()))["serve_cpu_ms_per_token"] if g != "total"]
         lines += [f"## Serve with {v['replicas']} LLMServer replica(s), {v['torch_threads_per_replica']} torch thread(s) each, {streams_label(v)} "
                   f"(app ready in {v['serve_startup_s']:.1f} s)", ""] + table(["measurement", "direct engine", "through Ray Serve", "Serve − / ÷ direct"], rows)
@@ -248,9 +235,7 @@ def body(results: dict[str, Any]) -> list[str]:
             ["streams", "direct: engine + client", *(f"Serve: {g}" for g in groups), "Serve total"],
             [[c, cell(t["direct_cpu_ms_per_token"]["total"], digits=2), *(cell(t["serve_cpu_ms_per_token"].get(g), digits=2) for g in groups),
               cell(t["serve_cpu_ms_per_token"]["total"], digits=2)] for c, t in s["throughput"].items()])
-    if "anchors" in results:
-        lines += anchor_lines(results)
-    return lines + (["## The serving layer's CPU per token", "", *derived, ""] if derived else [])
+    return lines + (anchor_lines(results) if "anchors" in results else [])
 
 
 def anchor_lines(results: dict[str, Any]) -> list[str]:
@@ -347,7 +332,7 @@ def main() -> None:
                         results["variants"].append({**variant, "torch_threads_per_replica": threads or os.cpu_count(), "profile": profile,
                                                     "batch_interval_s": batch})
         finally:
-            direct.close()
+            direct.engine.shutdown()
     if opts.anchors:
         results["anchors"] = {"concurrency": opts.anchor_concurrency,
                               "results": serving_anchors.measure(opts.anchors, args["model"], engine_kwargs, opts, vocab)}

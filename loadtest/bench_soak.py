@@ -24,7 +24,6 @@ from typing import Any
 
 from loadtest import report, server
 from loadtest.client import Completions
-from loadtest.replica_probe import serve_replicas
 from loadtest.report import table
 
 APP = "bench-soak"
@@ -35,7 +34,7 @@ SETTLE_S = 6.0  # > IdleHeapTrimmer's interval
 def replica_pids() -> dict[str, int]:
     import ray
 
-    refs = {name: actor.__ray_call__.remote(lambda _self: os.getpid()) for name, actor in serve_replicas(APP).items()}
+    refs = {name: actor.__ray_call__.remote(lambda _self: os.getpid()) for name, actor in server.serve_replicas(APP).items()}
     return {name: ray.get(ref, timeout=60) for name, ref in refs.items()}
 
 

@@ -90,7 +90,7 @@ class SpecEngines:
         for setting in opts["settings"]:
             kind, spec = SETTINGS[setting]
             self.engines[setting] = self._native(spec) if kind == "native" else self._vllm(spec)
-            self.run(setting, "open", 1, 2, seed=99)  # warm-up
+            self.run(setting, "open", 2, 2, seed=99)  # warm-up
 
     def _native(self, spec: dict[str, Any] | None):
         from serve_app.engine import LLM

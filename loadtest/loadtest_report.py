@@ -1,15 +1,13 @@
-"""The report of a Locust run of loadtest/locustfile.py (what `make loadtest` writes): from the per-request
-records (`--records`, exact timings) and Locust's CSV (`--csv-prefix`), TTFT / TPOT / e2e p50, p90, p99,
-request and output-token throughput over the run, failures, per request class, Locust's own rows, and two
-plots: the TTFT CDF per request class, and throughput and latency over time.
+"""The report of a Locust run of loadtest/locustfile.py (`make loadtest`), from its per-request records
+(`--records`, exact timings; Locust's own CSV and HTML stay beside them): TTFT / TPOT / e2e p50, p90, p99, request
+and token throughput over the run, failures, per request class, the TTFT CDF and throughput over time.
 
-    .venv/bin/python -m loadtest.loadtest_report --records reports/loadtest/records.jsonl --csv-prefix reports/loadtest/locust
+    .venv/bin/python -m loadtest.loadtest_report --records reports/loadtest/records.jsonl
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
 import glob
 import json
 import math
@@ -57,30 +55,25 @@ def summarize(records: list[dict]) -> dict[str, Any]:
 
 
 def time_series(records: list[dict], bin_s: float | None = None) -> dict[str, list]:
-    """Per time bin since the first request: completed requests/s, output tokens/s (each request's tokens
-    spread evenly from its first token to its end), TTFT p50/p90 and e2e p50 of the requests sent in it."""
-    ok, t0 = [r for r in records if r["ok"]], min(r["start_time"] for r in records)
-    end = max(r["end_time"] for r in records) - t0
-    bin_s = bin_s or max(2.0, end / 30)
-    n = max(1, math.ceil(end / bin_s))
-    req, tok, sent = [0.0] * n, [0.0] * n, [[] for _ in range(n)]
-    for r in ok:
-        s, e = r["start_time"] - t0, r["end_time"] - t0
-        req[min(n - 1, int(e / bin_s))] += 1 / bin_s
-        sent[min(n - 1, int(s / bin_s))].append(r)
-        first = s + (r["ttft_s"] or 0.0)
-        for i in range(int(first / bin_s), min(n - 1, int(e / bin_s)) + 1):
-            tok[i] += r["output_tokens"] * max(0.0, min(e, (i + 1) * bin_s) - max(first, i * bin_s)) / max(e - first, 1e-9) / bin_s
-    ttfts = [[r["ttft_s"] for r in b if r["ttft_s"] is not None] for b in sent]
-    return {"t": [(i + 0.5) * bin_s for i in range(n)], "req_s": req, "tok_s": tok, "ttft_p50": [percentile(t, 0.5) for t in ttfts],
-            "ttft_p90": [percentile(t, 0.9) for t in ttfts], "e2e_p50": [percentile([r["e2e_s"] for r in b], 0.5) for b in sent]}
+    """Per time bin since the first request: completed requests/s and output tokens/s (a request's tokens in the
+    bin it ended in), TTFT p50/p90 of the requests sent in the bin."""
+    t0, end, ok = min(r["start_time"] for r in records), max(r["end_time"] for r in records), [r for r in records if r["ok"]]
+    bin_s = bin_s or max(2.0, (end - t0) / 30)
+    n = max(1, math.ceil((end - t0) / bin_s))
+
+    def bins(key: str) -> list[list[dict]]:
+        out: list[list[dict]] = [[] for _ in range(n)]
+        for r in ok:
+            out[min(n - 1, int((r[key] - t0) / bin_s))].append(r)
+        return out
+
+    ended, ttfts = bins("end_time"), [[r["ttft_s"] for r in b if r["ttft_s"] is not None] for b in bins("start_time")]
+    return {"t": [(i + 0.5) * bin_s for i in range(n)], "req_s": [len(b) / bin_s for b in ended],
+            "tok_s": [sum(r["output_tokens"] for r in b) / bin_s for b in ended], "ttft_p50": [percentile(t, 0.5) for t in ttfts],
+            "ttft_p90": [percentile(t, 0.9) for t in ttfts]}
 
 
-def read_locust_csv(prefix: str) -> dict[str, list[dict]]:
-    return {kind: list(csv.DictReader(path.open())) if (path := Path(f"{prefix}_{kind}.csv")).is_file() else [] for kind in ("stats", "failures")}
-
-
-def body(s: dict[str, Any], locust: dict[str, list[dict]], settings: str) -> list[str]:
+def body(s: dict[str, Any], settings: str) -> list[str]:
     def ms(v: float | None) -> str:
         return num(v, 0, 1000)
 
@@ -100,14 +93,7 @@ def body(s: dict[str, Any], locust: dict[str, list[dict]], settings: str) -> lis
         ["request", "n", "failed", "TTFT p50", "TTFT p99", "TPOT p50", "e2e p50", "e2e p99"],
         [[f"`{n}`", c["num_requests"], c["num_failed"], ms(c["ttft_s"]["p50"]), ms(c["ttft_s"]["p99"]), ms(c["tpot_s"]["p50"]), ms(c["e2e_s"]["p50"]),
           ms(c["e2e_s"]["p99"])] for n, c in s["by_class"].items()])
-    lines += (["## Failures", ""] + table(["error", "count"], sorted(s["errors"].items(), key=lambda kv: -kv[1]))) if s["errors"] else []
-    if locust["stats"]:
-        lines += ["## Locust's statistics (its CSV; `output_tokens` in tokens; the Aggregated row counts the LLM events too)", ""] + table(
-            ["type", "name", "requests", "failures", "p50", "p90", "p99", "avg", "req/s"],
-            [[r["Type"], r["Name"], r["Request Count"], r["Failure Count"], r["50%"], r["90%"], r["99%"], f"{float(r['Average Response Time']):.0f}",
-              f"{float(r['Requests/s']):.2f}"] for r in locust["stats"]])
-    return lines + (table(["method", "name", "error", "occurrences"], [[r["Method"], r["Name"], r["Error"], r["Occurrences"]] for r in locust["failures"]])
-                    if locust["failures"] else [])
+    return lines + ((["## Failures", ""] + table(["error", "count"], sorted(s["errors"].items(), key=lambda kv: -kv[1]))) if s["errors"] else [])
 
 
 def plots(records: list[dict]) -> dict[str, report.Plot]:
@@ -131,7 +117,6 @@ def plots(records: list[dict]) -> dict[str, report.Plot]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--records", required=True, help="JSON lines from the locustfile's --records")
-    p.add_argument("--csv-prefix", default="", help="Locust's --csv prefix (optional)")
     p.add_argument("--out-dir", default="reports")
     p.add_argument("--title", default="Locust")
     p.add_argument("--command", default="", help="what produced the run (default: this command)")
@@ -144,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.load_before:
         results["machine"]["load_avg_before"] = [float(x) for x in args.load_before.split()]
     results.update(settings=args.settings, summary=summarize(records))
-    report.write(results, args.out_dir, "loadtest", f"Load test: {args.title}", body(results["summary"], read_locust_csv(args.csv_prefix), args.settings),
+    report.write(results, args.out_dir, "loadtest", f"Load test: {args.title}", body(results["summary"], args.settings),
                  plots(records))
     s = results["summary"]
     print(f"[loadtest] {s['num_requests']} requests, {s['num_failed']} failed; {s['request_throughput']:.2f} req/s, {s['output_tok_s']:.1f} output "

@@ -42,7 +42,7 @@ status=0
   -u "$USERS" -r "$SPAWN_RATE" -t "$RUN_TIME" --stop-timeout "$STOP_TIMEOUT" \
   --workload "$WORKLOAD" --api "$API" --records "$OUT/records.jsonl" \
   --csv "$OUT/locust" --csv-full-history --html "$OUT/locust.html" $EXTRA || status=$?
-"$VENV/bin/python" -m loadtest.loadtest_report --records "$OUT/records.jsonl" --csv-prefix "$OUT/locust" --out-dir reports \
+"$VENV/bin/python" -m loadtest.loadtest_report --records "$OUT/records.jsonl" --out-dir reports \
   --title "$WORKLOAD workload against $HOST" --settings "$settings" --load-before "$load_before" \
   --command "make loadtest LOADTEST_USERS=$USERS LOADTEST_TIME=$RUN_TIME LOADTEST_WORKLOAD=$WORKLOAD LOADTEST_API=$API${EXTRA:+ LOADTEST_ARGS='$EXTRA'}"
 echo "[loadtest] Locust exit status $status; its report: $OUT/locust.html; CSV: $OUT/locust_*.csv"

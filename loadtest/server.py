@@ -16,8 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from loadtest.replica_probe import serve_replicas
-
 REPO = Path(__file__).resolve().parents[1]
 MODEL = REPO / "models" / "smollm2-135m-instruct"
 
@@ -103,6 +101,18 @@ def deployed(args: dict[str, Any], name: str, build: Callable[[dict[str, Any]], 
     finally:
         with contextlib.suppress(Exception):
             serve.delete(name)
+
+
+def serve_replicas(app: str, deployment: str = "LLMServer") -> dict[str, Any]:
+    """The live replica actors of a Serve deployment in the connected Ray cluster, by replica id."""
+    import ray
+
+    prefix, out = f"SERVE_REPLICA::{app}#{deployment}#", {}
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        if entry["name"].startswith(prefix):
+            with contextlib.suppress(ValueError):  # it died since it was listed
+                out[entry["name"].removeprefix(prefix)] = ray.get_actor(entry["name"], namespace="serve")
+    return out
 
 
 def routing_stats(app: str) -> dict[str, dict[str, Any]]:

@@ -1,18 +1,11 @@
-"""Anchors for the serving benchmark (`bench_serving --anchors`): what other stacks' serving layers cost
-over their own engine, on the same workload and machine, in the same run as ours.
-
-- `vllm-offline`: vLLM's offline `LLM.generate` on every prompt at once (the engine, no server);
-- `vllm-server`: vLLM's own OpenAI server (`vllm.entrypoints.openai.api_server`, on 127.0.0.1);
-- `ray-serve-llm`: Ray Serve LLM (`ray.serve.llm.build_openai_app`, one replica) over the same engine;
-- `ray-serve-llm-direct`: the same with Ray's direct streaming (HAProxy mode plus
-  `RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING`): HAProxy forwards each request to the LLMServer replica's own
-  HTTP server; no proxy actor, no ingress replica, no Ray streaming hop per token;
-- `native-offline`: our offline `LLM.generate`, the counterpart of vLLM's offline run.
-
-vLLM runs in bfloat16, eager, on both cores, with a 1 GiB KV cache and no prefix cache (each repeat
-sends new prompts anyway). Each anchor runs in a process of its own, one after the other:
-
-    .venv/bin/python -m loadtest.serving_anchors --anchor NAME --model DIR --vocab 49152 --repeats 1 --concurrency 8 32
+"""Anchors for the serving benchmark (`bench_serving --anchors`): what other stacks' serving layers cost over their
+own engine, on the same workload and machine, in the same run as ours, each in a worker process of its own:
+`vllm-offline` (vLLM's `LLM.generate` on every prompt at once), `vllm-server` (vLLM's OpenAI server on
+127.0.0.1), `ray-serve-llm` (Ray Serve LLM's `build_openai_app`, one replica, over the same engine),
+`ray-serve-llm-direct` (the same with Ray's direct streaming: HAProxy forwards each request to the replica's
+own HTTP server; no proxy actor, no ingress replica, no Ray hop per token), and `native-offline` (our offline
+`LLM`, the counterpart of vLLM's). vLLM runs in bfloat16, eager, on both cores, a 1 GiB KV cache, no prefix
+cache. One anchor alone: `python -m loadtest.bench_serving --skip-null --skip-real --anchors NAME`.
 """
 
 from __future__ import annotations
@@ -22,7 +15,6 @@ import asyncio
 import functools
 import json
 import os
-import subprocess
 import sys
 import time
 from typing import Any
@@ -32,6 +24,7 @@ from loadtest.bench_engine import make_prompts
 from loadtest.client import Completions
 from loadtest.engines import vllm_cpu_env
 from loadtest.stats import percentile
+from loadtest.worker import Worker, WorkerError
 
 ANCHORS = ("native-offline", "vllm-offline", "vllm-server", "ray-serve-llm", "ray-serve-llm-direct")
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
@@ -89,7 +82,7 @@ def run_native_offline(opts: argparse.Namespace) -> list[dict[str, Any]]:
     from serve_app.engine import LLM, SamplingParams
 
     torch.set_num_threads(os.cpu_count() or 1)
-    llm = LLM(opts.model, **json.loads(opts.engine))
+    llm = LLM(opts.model, **opts.engine)
 
     def generate(prompts: list[list[int]], max_tokens: int) -> int:
         llm.reset_prefix_cache()
@@ -145,35 +138,30 @@ RUNNERS = {"native-offline": run_native_offline, "vllm-offline": run_vllm_offlin
            "ray-serve-llm": run_ray_serve_llm, "ray-serve-llm-direct": functools.partial(run_ray_serve_llm, direct_streaming=True)}
 
 
+class Anchor:
+    """The worker's object: `run()` measures the anchor `opts["anchor"]`."""
+
+    def __init__(self, opts: dict[str, Any]) -> None:
+        self.opts = argparse.Namespace(**opts)
+
+    def run(self) -> list[dict[str, Any]]:
+        return RUNNERS[self.opts.anchor](self.opts)
+
+
 def measure(names: list[str], model: str, engine: dict[str, Any], opts: Any, vocab: int) -> dict[str, Any]:
-    """Each anchor in its own process; {name: {"runs": [...]} or {"error": "..."}}."""
+    """Each anchor in a worker process of its own, one after the other; {name: {"runs": [...]} or {"error": "..."}}."""
     out: dict[str, Any] = {}
     for name in names:
-        cmd = [sys.executable, "-m", "loadtest.serving_anchors", "--anchor", name, "--model", model, "--engine", json.dumps(engine),
-               "--vocab", str(vocab), "--prompt-len", str(opts.prompt_len), "--output-len", str(opts.output_len),
-               "--repeats", str(opts.repeats), "--concurrency", *map(str, opts.anchor_concurrency)]
-        started = time.monotonic()
-        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=server.REPO, timeout=1800)
-        lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-        out[name] = json.loads(lines[-1]) if proc.returncode == 0 and lines else \
-            {"error": (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1][:300]}
+        started, worker = time.monotonic(), None
+        try:
+            worker = Worker("loadtest.serving_anchors:Anchor", {"anchor": name, "model": model, "engine": engine, "vocab": vocab,
+                                                               "prompt_len": opts.prompt_len, "output_len": opts.output_len,
+                                                               "repeats": opts.repeats, "concurrency": opts.anchor_concurrency}, 1800)
+            out[name] = {"runs": worker.call("run")}
+        except WorkerError as exc:
+            out[name] = {"error": str(exc).splitlines()[0][:300]}
+        finally:
+            if worker:
+                worker.stop()
         print(f"[bench-serving] anchor {name}: {json.dumps(out[name])[:300]} ({time.monotonic() - started:.0f} s)", flush=True)
     return out
-
-
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--anchor", required=True, choices=ANCHORS)
-    p.add_argument("--model", required=True)
-    p.add_argument("--engine", default="{}", help="native-offline: engine options (JSON)")
-    p.add_argument("--vocab", type=int, required=True)
-    p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--concurrency", type=int, nargs="+", default=[32])
-    opts = p.parse_args()
-    print(json.dumps({"runs": RUNNERS[opts.anchor](opts)}), flush=True)
-
-
-if __name__ == "__main__":
-    main()
