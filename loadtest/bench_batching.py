@@ -1,11 +1,7 @@
-"""W2 batching study (docs/benchmarks.md): one seeded Poisson trace with mixed prompt and output lengths
-(loadtest/batching_model.py) replayed in one run against the same in-process AsyncLLMEngine under `static`,
-`dynamic` and `continuous` batching; only admission differs. The arrival rate is calibrated first: part of
-the trace at once under continuous batching, the step-cost model fitted to its steps, arrivals at `--load`
-(1.5) x the rate full steps sustain, so every policy meets a growing queue. Per policy: throughput over the
-makespan, TTFT / e2e p50 and p99, batch sizes; then the step-cost model over every step and the shortest
-makespan any admission policy could reach. A policy unfinished `--policy-timeout-s` after its last arrival
-is aborted and reported incomplete.
+"""W2 batching study (docs/benchmarks.md): one seeded Poisson trace (loadtest/batching_model.py) replayed against
+the same in-process AsyncLLMEngine under `static`, `dynamic` and `continuous` batching (only admission
+differs), arriving at `--load` (1.5) x the capacity calibrated first (the step-cost model fitted to a burst);
+then the step-cost model over every step and the shortest makespan any admission policy could reach.
 
     .venv/bin/python -m loadtest.bench_batching [--quick]   # reports/batching.* (--quick: 16 requests → build/bench-batching-quick/)
 """

@@ -1,8 +1,6 @@
-"""W1 offline throughput (docs/benchmarks.md): 64 requests x 128 random prompt tokens (seed 0, ids in [100,
-vocab)) x 128 output tokens, greedy, ignore_eos, bf16, all at once, on each engine of loadtest/engines.py
-(native, HF `generate` in static batches of 16, vLLM when installed), side by side: each in a worker process
-of its own (its peak RSS is its own), loaded and warmed up once, repeats interleaved, ratios paired per
-repeat; right before every run, the run's compute floor (loadtest/compute_floor.py) and its share of it.
+"""W1 offline throughput (docs/benchmarks.md): 64 requests x 128 random prompt tokens x 128 output tokens,
+greedy, ignore_eos, bf16, all at once, on each engine of loadtest/engines.py, each in a worker process (its peak
+RSS its own), repeats interleaved, ratios paired; before every run, its compute floor (loadtest/compute_floor.py).
 
     .venv/bin/python -m loadtest.bench_engine [--quick]     # reports/engine_throughput.* (--quick: build/bench-quick/)
     .venv/bin/python -m loadtest.bench_engine --device cuda --repeats 1 --out-dir $OUT

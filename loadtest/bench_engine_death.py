@@ -1,13 +1,8 @@
-"""An engine dies under steady load: how many requests fail, and which.
-
-A private Ray on 127.0.0.1, the app with 2 LLMServer replicas (configs/local.yaml's options), and
-`--streams` client loops each streaming one completion after another through Serve's proxy. After
-`--warmup-s`, one replica's engine loop is killed (the tests' fault logger, tests/serving/faults.py: its
-next step raises) and the load goes on for `--after-s`. Reported: requests that failed; those among them
-that started after the death, and after the first second following it; the victim's in-flight requests
-at the death; when the replacement replica ran. Target: only requests in flight on the dead replica fail.
-`exit` mode is the shipped behaviour (`exit_on_engine_death`: the replica exits, routers drop it at
-once); `health-check` leaves it to Serve's periodic health check, for comparison.
+"""An engine dies under steady load: how many requests fail, and which. The app with 2 LLMServer replicas in a
+private Ray; `--streams` client loops stream completions back to back through Serve's proxy; after
+`--warmup-s` one replica's engine loop is killed (tests/serving/faults.py) and the load goes on for
+`--after-s`. Target: only requests in flight on the dead replica fail. `exit` mode is the shipped behaviour
+(the replica exits, routers drop it); `health-check` leaves it to Serve's health check, for comparison.
 
     .venv/bin/python -m loadtest.bench_engine_death     # make bench-engine-death → reports/engine_death.{json,md}
 """

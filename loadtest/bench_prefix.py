@@ -1,13 +1,10 @@
-"""W4 prefix routing: the prefix-aware router vs occupancy-only (`kv_aware`), power of two, round robin and Ray's
-`PrefixCacheAffinityRouter` (loadtest/ray_prefix_router.py) on the same workloads (loadtest/prefix_workloads.py):
-per router, 2 LLMServer replicas (small KV caches, one torch thread each) in a private Ray, every workload
-replayed closed loop through the LLMServer handle with what the ingress would send (the text, which Ray's
-router reads, and the token ids, which ours hashes), one replay per seed, seeds pooled. Per workload and
-router: TTFT, throughput, prompt tokens served from the prefix cache against the ideal, the prefix-aware
-router's predicted − actual cached tokens, requests per replica.
+"""W4 prefix routing: prefix-aware vs occupancy-only (`kv_aware`), power of two, round robin and Ray's
+`PrefixCacheAffinityRouter` (loadtest/ray_prefix_router.py) on the workloads of loadtest/prefix_workloads.py,
+replayed closed loop through the LLMServer handle of 2 replicas, with the text (Ray's router reads it) and the
+token ids (ours hashes them); one replay per seed, pooled. Prefix-cache hits against the ideal, TTFT,
+throughput, the prefix-aware router's predicted − actual cached tokens.
 
-    make bench-prefix                                     # reports/prefix_routing.*
-    .venv/bin/python -m loadtest.bench_prefix --quick     # one seed, smaller caches → build/bench-prefix-quick/
+    make bench-prefix                                     # reports/prefix_routing.* (--quick: build/bench-prefix-quick/)
 """
 
 from __future__ import annotations

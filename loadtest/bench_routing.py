@@ -1,9 +1,7 @@
-"""W3 routing (docs/benchmarks.md): KV-aware vs power-of-two vs round-robin on the same traces. Per router, 2
-LLMServer replicas (small KV caches, one torch thread each) in a private Ray, and each trace replayed open
-loop through the LLMServer handle (which routes as the ingress's does): **skewed** (~12% long requests,
-384-token prompt → 128 tokens, among 48 → 16) and **uniform** (every request the mix's mean size), Poisson at
-`--load` x the capacity a saturated closed loop measured on the first router. One replay per seed, pooled
-(a p99 over one ~90-request replay is its slowest one or two); each seed's ratio shows the spread.
+"""W3 routing (docs/benchmarks.md): KV-aware vs power-of-two vs round-robin. Per router, 2 LLMServer replicas
+(small KV caches) in a private Ray; the same seeded open-loop traces through the LLMServer handle — **skewed**
+(~12% 384 → 128-token requests among 48 → 16) and **uniform** (the mix's mean size) — at `--load` x the
+capacity a closed loop measured first; one replay per seed, pooled, each seed's ratio as the spread.
 
     .venv/bin/python -m loadtest.bench_routing [--quick]   # reports/routing.* (--quick: one seed → build/bench-routing-quick/)
 """

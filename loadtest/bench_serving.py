@@ -1,10 +1,8 @@
-"""The serving path (`make bench-serving`, docs/serving-path.md), in one run: (1) its ceiling, the null engine
-behind Serve (loadtest/serving_path.py); (2) the real engine through Ray Serve (streamed POST /v1/completions
-→ proxy → OpenAIIngress → LLMServer → SSE) against the same engine called in this process: TTFT at low load
-(one request at a time, taking turns), output tok/s at 8/32/64 streams (128 random prompt tokens, greedy,
-ignore_eos), CPU per output token per process group, event gaps, tokens per event, CPU steal; repeats
-alternate the order, ratios are paired per repeat; (3) other stacks' servers against their own engines
-(loadtest/serving_anchors.py).
+"""The serving path (`make bench-serving`, docs/serving-path.md), in one run: its ceiling with the null engine
+(loadtest/serving_path.py); the real engine through Serve (POST /v1/completions → proxy → ingress → LLMServer
+→ SSE) against the same engine called in this process — TTFT at low load, tok/s at 8/32/64 streams, CPU per
+token per process group, event gaps — repeats alternating the order, ratios paired; and other stacks' servers
+against their own engines (loadtest/serving_anchors.py).
 
     .venv/bin/python -m loadtest.bench_serving [--quick]    # reports/serving.* (--quick: build/bench-serving-quick/)
 """
@@ -24,7 +22,7 @@ from typing import Any
 
 from loadtest import machine, report, server, serving_anchors, serving_path
 from loadtest.bench_engine import make_prompts
-from loadtest.client import Completions, Stream
+from loadtest.client import Completions, Stream, burst
 from loadtest.report import cell, table
 from loadtest.stats import percentile, spread
 
@@ -145,18 +143,11 @@ async def measure_ttft(targets: tuple, prompts: list[list[int]]) -> dict[str, di
 
 
 async def measure_throughput(target, prompts: list[list[int]], output_len: int) -> dict[str, Any]:
-    cpu_before, machine_before, start = target.cpu_seconds(), machine.psutil.cpu_times(), time.perf_counter()
-    streams = await asyncio.gather(*(target.stream(p, output_len) for p in prompts))
-    elapsed, cpu_after, steal = time.perf_counter() - start, target.cpu_seconds(), steal_share(machine_before, machine.psutil.cpu_times())
-    tokens = sum(s.tokens for s in streams)
-    if tokens != len(prompts) * output_len or any(s.error for s in streams):
-        raise RuntimeError(f"{target.name}: {tokens} output tokens, expected {len(prompts) * output_len}; errors {[s.error for s in streams if s.error][:3]}")
-    # from a stream's second event on: the gap before it spans the other streams' prefill steps
-    gaps = [b - a for s in streams for a, b in itertools.pairwise(s.token_times[1:])]
-    cpu_ms = {g: 1000 * (cpu_after[g] - cpu_before[g]) / tokens for g in cpu_after}
-    return {"output_tok_s": tokens / elapsed, "elapsed_s": elapsed, "output_tokens": tokens, "ttft_p50_s": percentile([s.ttft_s for s in streams], 0.5),
-            "itl_p50_s": percentile(gaps, 0.5), "itl_p99_s": percentile(gaps, 0.99), "events_per_token": sum(len(s.token_times) for s in streams) / tokens,
-            "steal_share": steal, "cpu_ms_per_token": cpu_ms, "cpu_ms_per_token_total": sum(cpu_ms.values())}
+    cpu_before, machine_before = target.cpu_seconds(), machine.psutil.cpu_times()
+    out = await burst(target.stream, prompts, output_len)
+    cpu_ms = {g: 1000 * (v - cpu_before[g]) / out["output_tokens"] for g, v in target.cpu_seconds().items()}
+    return {**out, "steal_share": steal_share(machine_before, machine.psutil.cpu_times()), "cpu_ms_per_token": cpu_ms,
+            "cpu_ms_per_token_total": sum(cpu_ms.values())}
 
 
 def run_variant(direct: DirectTarget, args: dict[str, Any], opts: argparse.Namespace, vocab: int, seed_base: int) -> dict[str, Any]:

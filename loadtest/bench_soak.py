@@ -1,15 +1,10 @@
-"""Soak: does an LLMServer replica's memory plateau under sustained streamed load?
+"""Soak: does an LLMServer replica's memory plateau under sustained streamed load? The app (`--config`'s serving
+options, 2 replicas) in a private Ray; rounds of streamed completions through the proxy, `--concurrency` at once
+(beyond what it admits: some 503s, as in production); after each round, every replica idle for `SETTLE_S`
+(past its heap trim), each replica's RSS. One warm-up round, then `--rounds`: growth from the end of the
+warm-up to the end (target < 2%) and the fitted bytes per request.
 
-A private Ray on 127.0.0.1 with the app (`--config`'s serving options, 2 LLMServer replicas, no API key)
-behind Serve's HTTP proxy. Rounds of streamed completions (short prompts, few output tokens: the
-request count is what matters) go through the real path, `--concurrency` at once, beyond what the
-deployment admits, so some answers are 503 + Retry-After as in production. After each round, once
-every replica has been idle for `SETTLE_S` (past its idle heap trim), each replica process's RSS is
-read from /proc. One warm-up round, then `--rounds` more; the figure of merit is each replica's RSS
-growth from the end of the warm-up to the end (target < 2%), with the slope of a least-squares fit.
-
-    .venv/bin/python -m loadtest.bench_soak            # make bench-soak → reports/soak.{json,md,png} (≈ 10 min)
-    .venv/bin/python -m loadtest.bench_soak --quick    # 60-request rounds → build/bench-soak-quick/
+    .venv/bin/python -m loadtest.bench_soak [--quick]   # reports/soak.* (--quick: 60-request rounds → build/bench-soak-quick/)
 """
 
 from __future__ import annotations

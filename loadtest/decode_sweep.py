@@ -1,10 +1,7 @@
-"""Decode-step latency sweep: one decode step of the model runner alone (no scheduler, no detokenizer) at batch
-sizes 1..256 with `--context` tokens each, median and p10-p90 over `--steps` steps, beside its memory floor:
-every weight once plus the batch's K/V over the device's copy bandwidth measured in the same run. With CUDA
-graphs a step is one replay, so what remains above the floor is launch and kernel cost.
+"""Decode-step latency sweep: one decode step of the model runner alone at batch sizes 1..256 (median, p10-p90)
+beside its memory floor (every weight once plus the batch's K/V over the copy bandwidth measured in the run).
 
-    python -m loadtest.decode_sweep --device cuda --out-dir reports/gpu     # gpu_check.sh runs this
-    python -m loadtest.decode_sweep --quick                                 # CPU smoke run → build/decode-sweep-quick/
+    python -m loadtest.decode_sweep --device cuda --out-dir reports/gpu     # gpu_check.sh runs this; --quick: CPU smoke run
 """
 
 from __future__ import annotations

@@ -1,19 +1,8 @@
-"""Load-test workload profiles for OpenAI-compatible LLM servers (pure Python: no Locust, no gevent).
-
-loadtest/locustfile.py draws every request from one of these profiles; tests use them directly.
-
-Profiles (`PROFILES`):
-- short-chat:     short questions (chat API), replies capped at 32-96 tokens.
-- long-prompt:    a ~1,100-token document to summarize (completions API), 64-token replies.
-- skewed:         90 % short-chat, 10 % long (long prompt and 256-token reply): a few heavy requests
-                  among many light ones (W3).
-- shared-prefix:  multi-turn chats that all start with the same ~450-token system prompt; each user
-                  keeps its conversation (its own questions and the server's replies) for `turns` turns,
-                  then starts a new one. Exercises prefix caching.
-
-Each request is an `LLMRequest` with both renderings: `messages` for /v1/chat/completions and `prompt`
-(a plain transcript) for /v1/completions; the API used is chosen per request (`choose_api`).
-Everything is drawn from a `random.Random` the caller seeds, so a run is reproducible.
+"""Load-test workload profiles (pure Python: no Locust): `short-chat` (short questions, 32-96-token replies),
+`long-prompt` (a ~1,100-token document to summarize, 64 tokens), `skewed` (90% short-chat, 10% long with a
+256-token reply) and `shared-prefix` (multi-turn chats on one ~450-token system prompt, each user keeping its
+conversation for `turns` turns). A request carries both renderings (chat `messages`, a transcript `prompt`);
+everything is drawn from the caller's seeded `random.Random`.
 """
 
 from __future__ import annotations
@@ -145,12 +134,8 @@ class Workload:
 
 
 class PoissonArrivals:
-    """Open-loop arrival times: exponential gaps at `rate_per_s`, shared by every user of one process.
-
-    `claim(now)` hands out the next arrival time (monotonic seconds); the user that claims it sleeps
-    until then and sends. Arrivals therefore do not depend on how fast the server answers, as long as
-    some user is free when an arrival is due (otherwise it is sent late: the lag is recorded).
-    """
+    """Open-loop arrivals: exponential gaps at `rate_per_s`, one clock shared by every user of a process; the
+    user that claims an arrival sleeps until it, so arrivals do not depend on how fast the server answers."""
 
     def __init__(self, rate_per_s: float, seed: int = 0) -> None:
         if not rate_per_s > 0:

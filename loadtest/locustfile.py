@@ -1,27 +1,12 @@
-"""Locust load test for any OpenAI-compatible LLM server (ours, vLLM's api_server, ...): streamed chat and
-text completions, with LLM latency metrics.
+"""Locust load test for any OpenAI-compatible server (ours, vLLM's, ...): streamed chat and text completions,
+workloads from loadtest/llm_workloads.py, LLM metrics as Locust events of type `LLM` (`ttft_ms`, `tpot_ms`,
+`e2e_ms`, `output_tokens`, whose "response time" columns hold token counts) and per-request records
+(`--records`). A request fails on an HTTP error, an error event, a stream without `[DONE]`, or no text unless it
+said why it finished (an empty reply: a success without TTFT). Closed loop (users, `--think-time`) or open loop
+(`--arrival-rate`: Poisson, one clock per process; the records keep each request's lag). Run it as its own
+process from the repository root (Locust monkey-patches with gevent: never next to Ray or vLLM):
 
-Run it as its own process (the `locust` CLI) from the repository root, never imported next to Ray, vLLM
-or ssl: Locust monkey-patches with gevent. `make loadtest` runs it headless against `make serve`; by hand:
-
-    .venv/bin/locust -f loadtest/locustfile.py --host http://127.0.0.1:8000 --headless -u 8 -r 4 -t 60s \\
-        --workload skewed --csv build/loadtest/run --html build/loadtest/run.html --records build/loadtest/records.jsonl
-
-Options besides Locust's own (also as LOCUST_* environment variables): --workload (loadtest/llm_workloads.py),
---api auto | chat | completions | mixed, --model (default: the first of GET {base}/models), --api-key
-(default $OPENAI_API_KEY), --arrival-rate R (open loop: Poisson arrivals, R per second per process; 0: closed
-loop, each user sends its next request when the previous is done, after --think-time), --max-tokens,
---temperature, --ignore-eos, --turns, --seed, --request-timeout, --records (one JSON line per request).
---host is the server (/v1 is appended) or a base URL with a path (used as is).
-
-Each request is one Locust entry `<endpoint> [<class>]` whose response time is the whole stream. It fails on
-an HTTP error, an error event, a stream without `[DONE]`, or no token at all unless the stream says why it
-finished (an empty reply: the model's first token was its end; a success with no TTFT, `"empty": true` in
-its record). LLM metrics are request events of type `LLM`: `ttft_ms`, `tpot_ms` ((e2e - ttft) / (tokens - 1)),
-`e2e_ms` and `output_tokens` (whose "response time" columns hold token counts); they also count in Locust's
-Aggregated row, so take request rates from the endpoint rows. Tokens come from the final usage chunk.
-Open loop: one Poisson clock per process; a due arrival waits for a free user (start enough users: the
-records keep each request's lag). Closed loop: a user pauses FAILURE_BACKOFF_S after a failed request.
+    .venv/bin/locust -f loadtest/locustfile.py --host http://127.0.0.1:8000 --headless -u 8 -r 4 -t 60s --workload skewed
 """
 
 from __future__ import annotations

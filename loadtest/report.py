@@ -1,10 +1,6 @@
-"""Every benchmark's report, in one shape: `<out_dir>/<name>.json` (everything measured), `<name>.md` (a
-header — title, the exact command, date, machine, load before and after, duration — then the benchmark's
-tables) and PNG figures (matplotlib, when installed; `bars` and `lines` draw the usual ones).
-
-    results = report.start("bench_x")          # command, date, machine facts (load before)
-    ... measure into results ...
-    report.write(results, out_dir, "x", "Title", body_lines, {"x": report.bars(...)})
+"""Every benchmark's report, in one shape: `<name>.json` (everything measured), `<name>.md` (a header — title,
+command, date, machine, load before and after, duration — then the tables) and PNG figures (matplotlib when
+installed; `bars` and `lines` draw the usual ones). `start` takes the header facts, `write` the files.
 """
 
 from __future__ import annotations
@@ -64,7 +60,7 @@ def bars(title: str, ylabel: str, groups: dict[str, dict[str, Any]]) -> Plot:
             med = [(v["median"] if isinstance(v, dict) else v) or 0.0 for v in values]
             err = [[m - v["min"] if isinstance(v, dict) else 0 for m, v in zip(med, values, strict=True)],
                    [v["max"] - m if isinstance(v, dict) else 0 for m, v in zip(med, values, strict=True)]]
-            ax.bar([k + i * width for k in range(len(groups))], med, width, yerr=err, capsize=4, label=name)
+            ax.bar([k + i * width for k in range(len(groups))], med, width, yerr=err if any(map(any, err)) else None, capsize=4, label=name)
         ax.set_xticks([k + width * (len(series) - 1) / 2 for k in range(len(groups))], list(groups), fontsize=8)
         ax.set(title=title, ylabel=ylabel)
         ax.legend(fontsize=7)

@@ -16,14 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from serve_app.metrics.local_stack import free_port
+
 REPO = Path(__file__).resolve().parents[1]
 MODEL = REPO / "models" / "smollm2-135m-instruct"
-
-
-def free_port() -> int:
-    from serve_app.metrics.local_stack import free_port as free
-
-    return free()
 
 
 def config_args(config: str = "configs/local.yaml", **overrides: Any) -> dict[str, Any]:
@@ -33,7 +29,6 @@ def config_args(config: str = "configs/local.yaml", **overrides: Any) -> dict[st
     from serve_app.serving.app import resolve_model_path
 
     args = dict(yaml.safe_load((REPO / config).read_text())["applications"][0]["args"])
-    os.chdir(REPO)  # the configs name the model relative to the repository
     return {**args, "model": resolve_model_path(args["model"]), "api_key_env": "", **overrides}
 
 

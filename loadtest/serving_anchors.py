@@ -1,11 +1,8 @@
-"""Anchors for the serving benchmark (`bench_serving --anchors`): what other stacks' serving layers cost over their
-own engine, on the same workload and machine, in the same run as ours, each in a worker process of its own:
-`vllm-offline` (vLLM's `LLM.generate` on every prompt at once), `vllm-server` (vLLM's OpenAI server on
-127.0.0.1), `ray-serve-llm` (Ray Serve LLM's `build_openai_app`, one replica, over the same engine),
-`ray-serve-llm-direct` (the same with Ray's direct streaming: HAProxy forwards each request to the replica's
-own HTTP server; no proxy actor, no ingress replica, no Ray hop per token), and `native-offline` (our offline
-`LLM`, the counterpart of vLLM's). vLLM runs in bfloat16, eager, on both cores, a 1 GiB KV cache, no prefix
-cache. One anchor alone: `python -m loadtest.bench_serving --skip-null --skip-real --anchors NAME`.
+"""Anchors for `bench_serving --anchors`: other stacks' serving cost over their own engine, same workload and
+machine, each in a worker process: `vllm-offline` (vLLM's `LLM.generate`), `vllm-server` (its OpenAI server),
+`ray-serve-llm` (Ray Serve LLM over it, one replica), `ray-serve-llm-direct` (the same with Ray's direct
+streaming: HAProxy to the replica's own HTTP server), `native-offline` (our offline `LLM`). vLLM: bfloat16,
+eager, both cores, 1 GiB KV cache, no prefix cache. Alone: `python -m loadtest.bench_serving --skip-null --skip-real --anchors NAME`.
 """
 
 from __future__ import annotations
@@ -21,9 +18,8 @@ from typing import Any
 
 from loadtest import server
 from loadtest.bench_engine import make_prompts
-from loadtest.client import Completions
+from loadtest.client import Completions, burst
 from loadtest.engines import vllm_cpu_env
-from loadtest.stats import percentile
 from loadtest.worker import Worker, WorkerError
 
 ANCHORS = ("native-offline", "vllm-offline", "vllm-server", "ray-serve-llm", "ray-serve-llm-direct")
@@ -38,39 +34,28 @@ def prompts_for(repeat: int, n: int, opts: argparse.Namespace) -> list[list[int]
 
 
 def _runs(measure, opts: argparse.Namespace) -> list[dict[str, Any]]:
-    """`measure(prompts, max_tokens)` → (seconds, output tokens, TTFTs or None); warm-up, then every repeat × concurrency."""
+    """`measure(prompts, max_tokens)` → {"output_tok_s", ...}; a warm-up, then every repeat × concurrency, new prompts each."""
     measure(prompts_for(99, 2, opts), 8)
-    runs = []
-    for repeat in range(opts.repeats):
-        for c in opts.concurrency:
-            elapsed, tokens, ttfts = measure(prompts_for(repeat, c, opts), opts.output_len)
-            if tokens != c * opts.output_len:
-                raise RuntimeError(f"{tokens} output tokens, expected {c * opts.output_len}")
-            runs.append({"repeat": repeat, "concurrency": c, "output_tok_s": tokens / elapsed, "elapsed_s": elapsed,
-                         "ttft_p50_s": percentile(ttfts or [], 0.5)})
-    return runs
+    return [{"repeat": repeat, "concurrency": c, **measure(prompts_for(repeat, c, opts), opts.output_len)}
+            for repeat in range(opts.repeats) for c in opts.concurrency]
 
 
-def _timed(generate):
-    def measure(prompts: list[list[int]], max_tokens: int) -> tuple[float, int, None]:
+def _offline(generate):
+    """`generate(prompts, max_tokens)` → output token count, timed."""
+    def measure(prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
         start = time.perf_counter()
         tokens = generate(prompts, max_tokens)
-        return time.perf_counter() - start, tokens, None
+        elapsed = time.perf_counter() - start
+        if tokens != len(prompts) * max_tokens:
+            raise RuntimeError(f"{tokens} output tokens, expected {len(prompts) * max_tokens}")
+        return {"output_tok_s": tokens / elapsed, "elapsed_s": elapsed}
     return measure
 
 
 def _http_runs(base_url: str, opts: argparse.Namespace) -> list[dict[str, Any]]:
     client, loop = Completions(base_url, MODEL_ID), asyncio.new_event_loop()
-
-    def measure(prompts: list[list[int]], max_tokens: int) -> tuple[float, int, list[float]]:
-        start = time.perf_counter()
-        streams = loop.run_until_complete(asyncio.gather(*(client.stream(p, max_tokens) for p in prompts)))
-        if errors := [s.error for s in streams if s.error]:
-            raise RuntimeError(f"stream errors: {errors[:3]}")
-        return time.perf_counter() - start, sum(s.tokens for s in streams), [s.ttft_s for s in streams]
-
     try:
-        return _runs(measure, opts)
+        return _runs(lambda prompts, n: loop.run_until_complete(burst(client.stream, prompts, n)), opts)
     finally:
         loop.run_until_complete(client.aclose())
         loop.close()
@@ -88,7 +73,7 @@ def run_native_offline(opts: argparse.Namespace) -> list[dict[str, Any]]:
         llm.reset_prefix_cache()
         return sum(len(o.token_ids) for o in llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)))
 
-    return _runs(_timed(generate), opts)
+    return _runs(_offline(generate), opts)
 
 
 def run_vllm_offline(opts: argparse.Namespace) -> list[dict[str, Any]]:
@@ -102,7 +87,7 @@ def run_vllm_offline(opts: argparse.Namespace) -> list[dict[str, Any]]:
                             use_tqdm=False)
         return sum(len(o.outputs[0].token_ids) for o in outs)
 
-    return _runs(_timed(generate), opts)
+    return _runs(_offline(generate), opts)
 
 
 def run_vllm_server(opts: argparse.Namespace) -> list[dict[str, Any]]:

@@ -1,10 +1,7 @@
-"""An engine in a process of its own: its peak RSS is its own, its threads and imports (torch, vLLM) stay out of
-the benchmark's process, and a crash is a result, not the end of the run.
-
-`Worker("loadtest.engines:build", opts)` spawns a process that builds `build(opts)` and then answers calls:
-`worker.call("run", prompts, 128)` returns its `run(prompts, 128)`. A failure there raises `WorkerError` here
-(its traceback's last line first); after a failed call the worker goes on serving, after a failed build or
-its death it is gone.
+"""An engine in a process of its own (its peak RSS its own, its imports out of the benchmark's process, a crash a
+result): `Worker("loadtest.engines:build", opts)` spawns a process that builds `build(opts)` and answers calls,
+`worker.call("run", prompts, 128)` → its `run(prompts, 128)`. A failure there raises `WorkerError` here; the
+worker goes on serving after a failed call, not after a failed build or its death.
 """
 
 from __future__ import annotations
