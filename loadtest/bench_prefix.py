@@ -47,10 +47,10 @@ async def run_script(handle: Any, tokenizer: Any, script: pw.Script, tag: str, i
         if script.system is not None:
             history.append({"role": "user", "content": step.question})
             messages = ({"role": "system", "content": script.system}, *history)
-            ids = tokenizer.process(GenerateRequest(request_id, messages=messages)).prompt_token_ids
+            ids = list(tokenizer.process(GenerateRequest(request_id, messages=messages)).prompt_token_ids)
             request = GenerateRequest(request_id, messages=messages, prompt_token_ids=tuple(ids), sampling_params=params)
         else:
-            ids = tokenizer.tokenize(step.prompt)
+            ids = list(tokenizer.tokenize(step.prompt))
             request = GenerateRequest(request_id, prompt=step.prompt, prompt_token_ids=tuple(ids), sampling_params=params)
         row = {"request_id": request_id, "script": index, "turn": turn, "start_rank": len(order), "group": script.group, "prompt_ids": ids,
                "prompt_tokens": len(ids), "ttft_s": None, "e2e_s": None, "output_ids": [], "cached_tokens": 0, "error": None}

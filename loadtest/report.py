@@ -113,5 +113,5 @@ def write(results: dict[str, Any], out_dir: str | Path, name: str, title: str, b
     figures = _save_plots(plots or {}, out_dir)
     head = [f"# {title}", "", f"`{results['command']}`", "",
             f"{results['date']}, {results.get('duration_s')} s; {machine.describe(results['machine'])}.", ""]
-    paths[1].write_text("\n".join([*head, *body, *(f"![{p.stem}]({p.name})" for p in figures)]).rstrip() + "\n")
+    paths[1].write_text("\n".join([*head, *body, "", *(f"![{p.stem}]({p.name})" for p in figures)]).replace("\n\n\n", "\n\n").rstrip() + "\n")
     return paths + figures
