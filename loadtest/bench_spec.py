@@ -1,144 +1,215 @@
-"""W5 speculative-decoding benchmark: when does speculation pay, and does adaptive k find it?
+"""W5 speculative decoding: greedy chat prompts whose replies copy the prompt (`grounded`) or not (`open`), each
+concurrency level a closed loop timed at step boundaries; the native engine without speculation, fixed k 2
+and 4 (n-gram) and adaptive k, interleaved in one worker process; vLLM-CPU without and with its n-gram
+speculation. Speedup over the same engine without speculation, TPOT, acceptance, mean k, token identity.
 
-Workloads (loadtest/spec_workloads.py): `grounded` (replies copy or edit text from the prompt) and
-`open` (new text), greedy chat prompts, up to `--max-tokens` output tokens each. Each concurrency
-level keeps that many requests in flight (a closed loop) until its prompts are done. Settings, side
-by side in one run: the native engine without speculation, with fixed k 2 and 4 (n-gram), with
-adaptive k; vLLM-CPU (eager, both cores) without speculation and with its n-gram speculation
-(k 4, prompt lookup 2-4: the configuration of the anchor run). The native settings share one process
-and run interleaved (each level's repeat runs every setting back to back); each vLLM engine runs in a
-process of its own, one after the other.
-
-Reported per workload × concurrency × setting: output tok/s (mean and min-max over repeats), TPOT
-p50/p99 (per request, at step boundaries), acceptance (accepted / proposed tokens), mean k (proposed
-per decoding request-step, native), speedup over the same engine's run without speculation, and
-whether the outputs are token-identical to it. Writes speculative.{json,md,png} to --out-dir.
-
-    .venv/bin/python loadtest/bench_spec.py           # = make bench-spec (≈ 15 min on a quiet machine)
-    .venv/bin/python loadtest/bench_spec.py --quick   # concurrency 1 and 16, fewer requests (≈ 4 min)
+    .venv/bin/python -m loadtest.bench_spec [--quick]   # reports/speculative.* (--quick: build/bench-spec-quick/)
 """
 
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
+import importlib.util
 import os
-import statistics
+import random
 import sys
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_engine import command_line, machine_info  # noqa: E402
-from spec_report import write_report  # noqa: E402
+from loadtest import report
+from loadtest.engines import vllm_cpu_env
+from loadtest.report import num, table
+from loadtest.stats import interleaved, percentile
+from loadtest.worker import Worker, WorkerError
 
-REPO = Path(__file__).resolve().parent.parent
 SETTINGS: dict[str, tuple[str, dict[str, Any] | None]] = {
-    "native off": ("native", None),
-    "native k=2": ("native", {"method": "ngram", "k": 2, "max_k": 4}),
-    "native k=4": ("native", {"method": "ngram", "k": 4, "max_k": 4}),
-    "native adaptive": ("native", {"method": "ngram", "max_k": 4}),
-    "vLLM off": ("vllm", None),
-    "vLLM ngram k=4": ("vllm", {"method": "ngram", "k": 4, "max_k": 4, "ngram_min": 2, "ngram_max": 4}),
+    "native off": ("native", None), "native k=2": ("native", {"method": "ngram", "k": 2, "max_k": 4}),
+    "native k=4": ("native", {"method": "ngram", "k": 4, "max_k": 4}), "native adaptive": ("native", {"method": "ngram", "max_k": 4}),
+    "vLLM off": ("vllm", None), "vLLM ngram k=4": ("vllm", {"method": "ngram", "k": 4, "max_k": 4, "ngram_min": 2, "ngram_max": 4}),
 }
 BASELINE = {"native": "native off", "vllm": "vLLM off"}
-REQUESTS_PER_LEVEL = {1: 4, 4: 8, 16: 16, 64: 64}
-QUICK_REQUESTS = {1: 2, 4: 4, 16: 16, 64: 32}
+REQUESTS_PER_LEVEL, QUICK_REQUESTS = {1: 4, 4: 8, 16: 16, 64: 64}, {1: 2, 4: 4, 16: 16, 64: 32}
+SENTENCES = [
+    "The old lighthouse keeper climbed the spiral stairs every evening at dusk.", "He lit the great lamp and wrote the names of passing ships in a leather notebook.",
+    "The notebook had belonged to his grandfather, who kept the same light for forty years.", "On stormy nights the waves broke over the rocks and shook the windows of the tower.",
+    "Fishermen in the village said the light had never once gone dark in a century.", "In the spring the keeper painted the railings white and mended the wooden door.",
+    "A small grey cat followed him up the stairs and slept beside the warm lamp.", "Every Sunday a boat brought bread, oil and letters from the mainland.",
+    "The river flows through the valley and turns the wheel of the old mill.", "Children from the school walk along the bank to watch the herons fish in the shallows.",
+    "The baker opens his shop at five and sells warm rolls to the workers on the early train.", "At the market the farmers sell apples, cheese, honey and fresh eggs from their farms."]
+CODE = ["def total_price(items):\n    total = 0\n    for item in items:\n        total += item.price * item.quantity\n    retrun total\n",
+        "def is_even(number):\n    if number % 2 == 0:\n        return True\n    else:\n        retrun False\n",
+        "def greet(name):\n    message = 'Hello, ' + name + '!'\n    print(mesage)\n    return message\n"]
+TOPICS = ["a dragon who is afraid of the dark", "the first day at a new school", "a robot learning to cook", "why the sea is salty",
+          "how bees make honey", "a journey to the moon", "the history of bicycles", "a friendship between a fox and a crow",
+          "how rain forms", "a lost key that opens a secret garden"]
 
 
-def log(msg: str) -> None:
-    print(f"[bench-spec {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+def message(workload: str, rng: random.Random) -> str:
+    if workload == "grounded":
+        kind = rng.randrange(3)
+        if kind == 1:
+            return f"Fix the spelling mistake in this Python code and write out the whole corrected code:\n\n{rng.choice(CODE)}"
+        text = " ".join(rng.sample(SENTENCES, 4 if kind == 0 else 3))
+        return f"Copy this paragraph word for word:\n\n{text}" if kind == 0 else f"Repeat the following text exactly, then stop:\n\n{text}"
+    topic = rng.choice(TOPICS)
+    return rng.choice([f"Write a short story about {topic}.", f"Explain {topic} to a ten year old.", f"Write a poem about {topic}."])
 
 
-def worker(settings: list[str], opts: dict[str, Any], conn) -> None:
-    """Load the engine settings (all of one engine kind), warm each up, then run every (workload,
-    concurrency, repeat) on each setting back to back, the order rotated per repeat, so that changes
-    in machine load hit them alike; send the results."""
-    try:
+def closed_loop(prompts: list[list[int]], concurrency: int, add, step) -> dict[str, Any]:
+    """Every prompt with at most `concurrency` in flight; `step()` → [(request id, output tokens so far, finished)]."""
+    pending, counts, first, done, in_flight = list(enumerate(prompts)), {}, {}, {}, 0
+    start = time.perf_counter()
+    while pending or in_flight:
+        while pending and in_flight < concurrency:
+            i, prompt = pending.pop(0)
+            add(str(i), prompt)
+            in_flight += 1
+        for rid, n, finished in step():
+            counts[rid], now = n, time.perf_counter()
+            if n:
+                first.setdefault(rid, now)
+            if finished:
+                done[rid], in_flight = now, in_flight - 1
+    return {"elapsed_s": time.perf_counter() - start, "num_tokens": sum(counts.values()),
+            "tpot_s": [(done[r] - first[r]) / (counts[r] - 1) for r in done if counts[r] > 1]}
+
+
+class SpecEngines:
+    """The worker's object: one engine per setting (all of one kind), warmed up; `run` drives one."""
+
+    def __init__(self, opts: dict[str, Any]) -> None:
         import torch
-
-        torch.set_num_threads(opts["threads"])
-        from spec_runners import RUNNERS
-        from spec_workloads import make_prompts
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(opts["model"])
-        runners = {}
-        for setting in settings:
-            engine, spec = SETTINGS[setting]
-            t0 = time.perf_counter()
-            runners[setting] = RUNNERS[engine]({**opts, "speculative": spec})
-            runners[setting].run(make_prompts(tokenizer, "open", 2, seed=99), 2)  # warm-up
-            log(f"{setting}: ready in {time.perf_counter() - t0:.0f} s")
-        results = []
-        for workload in opts["workloads"]:
-            for concurrency in opts["concurrency"]:
-                prompts = make_prompts(tokenizer, workload, opts["requests"][concurrency], seed=0)
-                for repeat in range(opts["repeats"]):
-                    for setting in settings[repeat % len(settings):] + settings[: repeat % len(settings)]:
-                        r = runners[setting].run(prompts, concurrency)
-                        log(f"{setting}: {workload} c={concurrency} #{repeat}: {r['num_tokens'] / r['elapsed_s']:.1f} tok/s "
-                            f"({r['elapsed_s']:.1f} s), accepted {r['accepted']:.0f}/{r['proposed']:.0f}")
-                        results.append({"setting": setting, "engine": SETTINGS[setting][0], "workload": workload,
-                                        "concurrency": concurrency, "repeat": repeat, **r})
-        conn.send(("ok", results))
-    except Exception:  # noqa: BLE001 - reported by the parent
-        conn.send(("error", traceback.format_exc()))
-    finally:
-        conn.close()
+        torch.set_num_threads(opts["threads"])
+        self.opts, self.tokenizer, self.stats, self.engines = opts, AutoTokenizer.from_pretrained(opts["model"]), [], {}
+        for setting in opts["settings"]:
+            kind, spec = SETTINGS[setting]
+            self.engines[setting] = self._native(spec) if kind == "native" else self._vllm(spec)
+            self.run(setting, "open", 2, 2, seed=99)  # warm-up
 
+    def _native(self, spec: dict[str, Any] | None):
+        from serve_app.engine import LLM
 
-def run_settings(settings: list[str], opts: dict[str, Any], timeout_s: float) -> list[dict[str, Any]] | str:
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=worker, args=(settings, opts, child), daemon=False)
-    proc.start()
-    child.close()
-    try:
-        if not parent.poll(timeout_s):
-            return f"timed out after {timeout_s:.0f} s"
-        status, payload = parent.recv()
-        return payload if status == "ok" else f"failed: {payload.strip().splitlines()[-1]}"
-    except EOFError:
-        return "worker died"
-    finally:
-        proc.join(timeout=60)
-        if proc.is_alive():
-            proc.kill()
+        return LLM(self.opts["model"], stat_loggers=[self], dtype=self.opts["dtype"], max_num_seqs=64, kv_cache_memory_gib=0.75, speculative=spec)
+
+    def _vllm(self, spec: dict[str, Any] | None):
+        vllm_cpu_env(1)
+        # the same OpenMP threads as the native engine gets (cores 0..threads-1)
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{self.opts['threads'] - 1}" if self.opts["threads"] > 1 else "0")
+        from vllm import LLM
+
+        from serve_app.backends.vllm_options import VLLMOptions
+
+        config = VLLMOptions(speculative=spec).async_engine_args("m", "m").get("speculative_config")
+        return LLM(model=self.opts["model"], dtype=self.opts["dtype"], seed=0, max_num_seqs=64, enforce_eager=True, disable_log_stats=False,
+                   speculative_config=config)
+
+    def record(self, stats, finished) -> None:  # the native engines' stat logger
+        if stats is not None:
+            self.stats.append(stats)
+
+    def _vllm_counters(self, llm) -> list[float]:
+        names = ("vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens", "vllm:spec_decode_num_drafts")
+        metrics = [m for m in llm.get_metrics() if m.name in names]
+        return [sum(float(getattr(m, "value", 0.0)) for m in metrics if m.name == n) for n in names]
+
+    def run(self, setting: str, workload: str, concurrency: int, num: int, seed: int = 0) -> dict[str, Any]:
+        rng = random.Random(f"{workload}-{seed}")
+        prompts = [list(self.tokenizer.apply_chat_template([{"role": "user", "content": message(workload, rng)}], add_generation_prompt=True,
+                                                           return_dict=True)["input_ids"]) for _ in range(num)]
+        llm, tokens = self.engines[setting], {}
+        llm.reset_prefix_cache()
+        if SETTINGS[setting][0] == "native":
+            from serve_app.types import GenerateRequest, SamplingParams
+
+            engine, params = llm.engine, SamplingParams(temperature=0.0, max_tokens=self.opts["max_tokens"])
+            self.stats.clear()
+
+            def step() -> list[tuple[str, int, bool]]:
+                for o in (outs := engine.step()):
+                    tokens.setdefault(o.request_id, []).extend(o.token_ids)
+                return [(o.request_id, len(tokens[o.request_id]), o.finished) for o in outs]
+
+            result = closed_loop(prompts, concurrency, lambda rid, p: engine.add_request(GenerateRequest(rid, prompt=p, sampling_params=params)), step)
+            result.update(proposed=sum(s.spec_num_proposed for s in self.stats), accepted=sum(s.spec_num_accepted for s in self.stats),
+                          candidates=sum(s.spec_num_candidates for s in self.stats))
+        else:
+            from vllm import SamplingParams
+
+            engine, params, before = llm.llm_engine, SamplingParams(temperature=0.0, max_tokens=self.opts["max_tokens"]), self._vllm_counters(llm)
+
+            def step() -> list[tuple[str, int, bool]]:
+                for o in (outs := engine.step()):
+                    tokens[o.request_id] = list(o.outputs[0].token_ids)  # cumulative
+                return [(o.request_id, len(tokens[o.request_id]), o.finished) for o in outs]
+
+            result = closed_loop(prompts, concurrency, lambda rid, p: engine.add_request(rid, {"prompt_token_ids": p}, params), step)
+            after = self._vllm_counters(llm)
+            result.update(proposed=after[0] - before[0], accepted=after[1] - before[1], candidates=None)
+        return {**result, "token_ids": [tokens[str(i)] for i in range(num)]}
 
 
 def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per (workload, concurrency, setting), with speedup over the same engine's baseline."""
+    """One row per (workload, concurrency, setting), with the speedup over the same engine's baseline."""
     groups: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
     for r in runs:
         groups.setdefault((r["workload"], r["concurrency"], r["setting"]), []).append(r)
     rows = []
     for (workload, concurrency, setting), rs in groups.items():
-        rates = [r["num_tokens"] / r["elapsed_s"] for r in rs]
-        tpot = sorted(t for r in rs for t in r["tpot_s"])
-        proposed = sum(r["proposed"] for r in rs)
-        accepted = sum(r["accepted"] for r in rs)
-        candidates = sum(r["candidates"] or 0 for r in rs)
-        base = groups.get((workload, concurrency, BASELINE[rs[0]["engine"]]))
-        row = {
-            "workload": workload, "concurrency": concurrency, "setting": setting, "engine": rs[0]["engine"],
-            "repeats": len(rs), "tok_s": statistics.mean(rates), "tok_s_min": min(rates), "tok_s_max": max(rates),
-            "tpot_p50_ms": 1000 * tpot[len(tpot) // 2] if tpot else None,
-            "tpot_p99_ms": 1000 * tpot[min(len(tpot) - 1, int(0.99 * len(tpot)))] if tpot else None,
-            "acceptance": accepted / proposed if proposed else None,
-            "mean_k": proposed / candidates if candidates else None,
-            "speedup": None, "speedup_min": None, "speedup_max": None, "identical": None,
-        }
-        if base:
-            base_rate = statistics.mean(b["num_tokens"] / b["elapsed_s"] for b in base)
-            row["speedup"] = row["tok_s"] / base_rate
-            row["speedup_min"], row["speedup_max"] = min(rates) / base_rate, max(rates) / base_rate
-            row["identical"] = all(r["token_ids"] == base[0]["token_ids"] for r in rs)
+        rates, tpot = [r["num_tokens"] / r["elapsed_s"] for r in rs], [t for r in rs for t in r["tpot_s"]]
+        proposed, candidates = sum(r["proposed"] for r in rs), sum(r["candidates"] or 0 for r in rs)
+        row = {"workload": workload, "concurrency": concurrency, "setting": setting, "repeats": len(rs), "tok_s": sum(rates) / len(rates),
+               "tok_s_min": min(rates), "tok_s_max": max(rates), "tpot_p50_ms": 1000 * (percentile(tpot, 0.5) or 0), "tpot_p99_ms": 1000 * (percentile(tpot, 0.99) or 0),
+               "acceptance": sum(r["accepted"] for r in rs) / proposed if proposed else None, "mean_k": proposed / candidates if candidates else None,
+               "speedup": None, "speedup_min": None, "speedup_max": None, "identical": None}
+        if base := groups.get((workload, concurrency, BASELINE[SETTINGS[setting][0]])):
+            base_rate = sum(b["num_tokens"] / b["elapsed_s"] for b in base) / len(base)
+            row.update(speedup=row["tok_s"] / base_rate, speedup_min=min(rates) / base_rate, speedup_max=max(rates) / base_rate,
+                       identical=all(r["token_ids"] == base[0]["token_ids"] for r in rs))
         rows.append(row)
-    order = list(SETTINGS)
-    return sorted(rows, key=lambda x: (x["workload"], x["concurrency"], order.index(x["setting"])))
+    return sorted(rows, key=lambda x: (x["workload"], x["concurrency"], list(SETTINGS).index(x["setting"])))
+
+
+def targets(rows: list[dict[str, Any]]) -> list[tuple[str, str, bool]]:
+    """(target, measured, met) for W5's targets, from this run's rows."""
+    def row(workload: str, c: int, setting: str) -> dict[str, Any] | None:
+        return next((r for r in rows if (r["workload"], r["concurrency"], r["setting"]) == (workload, c, setting)), None)
+
+    levels, out = sorted({r["concurrency"] for r in rows}), []
+    if not levels:
+        return out
+    ours, theirs = row("grounded", levels[0], "native adaptive"), row("grounded", levels[0], "vLLM ngram k=4")
+    if ours and theirs and ours["speedup"] and theirs["speedup"]:
+        out.append((f"grounded, concurrency {levels[0]}: adaptive's speedup over off >= vLLM n-gram's over its off",
+                    f"{ours['speedup']:.2f}x vs {theirs['speedup']:.2f}x", ours["speedup"] >= theirs["speedup"]))
+    if (top := row("grounded", levels[-1], "native adaptive")) and top["speedup"]:
+        out.append((f"grounded, concurrency {levels[-1]}: adaptive >= 0.97x off", f"{top['speedup']:.2f}x", top["speedup"] >= 0.97))
+    for workload in sorted({r["workload"] for r in rows}):
+        for c in levels:
+            adaptive, fixed = row(workload, c, "native adaptive"), [r for k in ("native k=2", "native k=4") if (r := row(workload, c, k))]
+            if adaptive and fixed:
+                best = max(fixed, key=lambda r: r["tok_s"])
+                out.append((f"{workload}, concurrency {c}: adaptive within 5% of the best fixed k ({best['setting']})",
+                            f"{adaptive['tok_s'] / best['tok_s']:.2f}x (adaptive {adaptive['tok_s_min']:.1f}-{adaptive['tok_s_max']:.1f}, best fixed "
+                            f"{best['tok_s_min']:.1f}-{best['tok_s_max']:.1f} tok/s over repeats)", adaptive["tok_s"] / best["tok_s"] >= 0.95))
+    return out
+
+
+def body(results: dict[str, Any]) -> list[str]:
+    lines = [f"Options: {results['options']}. Speedup: output tok/s over the same engine without speculation at the same concurrency (mean "
+             "of repeats, min-max in brackets); identical: every output token-identical to that baseline; acceptance: accepted / proposed "
+             "tokens; mean k: proposed tokens per decoding request-step (native).", ""]
+    for workload in sorted({r["workload"] for r in results["rows"]}):
+        lines += [f"## {workload}", ""] + table(
+            ["concurrency", "setting", "output tok/s [min-max]", "speedup [min-max]", "TPOT p50 / p99 ms", "acceptance", "mean k", "identical"],
+            [[r["concurrency"], r["setting"], f"{r['tok_s']:.1f} [{r['tok_s_min']:.1f}-{r['tok_s_max']:.1f}]",
+              "–" if r["speedup"] is None else f"{r['speedup']:.2f}x [{r['speedup_min']:.2f}-{r['speedup_max']:.2f}]",
+              f"{r['tpot_p50_ms']:.1f} / {r['tpot_p99_ms']:.1f}", num(r["acceptance"]), num(r["mean_k"]),
+              {None: "–", True: "yes", False: "NO"}[r["identical"]]] for r in results["rows"] if r["workload"] == workload])
+    lines += ["## Targets", ""] + table(["target", "measured", "met"], [[t, m, "yes" if met else "no"] for t, m, met in targets(results["rows"])])
+    return lines + [f"- {k}: {v}" for k, v in results["notes"].items()]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -146,72 +217,63 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default="models/smollm2-135m-instruct")
     p.add_argument("--settings", default=",".join(SETTINGS), help="comma-separated, from: " + ", ".join(SETTINGS))
     p.add_argument("--workloads", default="grounded,open")
-    p.add_argument("--concurrency", default=None, help="comma-separated levels (default 1,4,16,64; --quick 1,16)")
-    p.add_argument("--repeats", type=int, default=None, help="default 2 (--quick: 1)")
-    p.add_argument("--max-tokens", type=int, default=None, help="default 96 (--quick: 64)")
-    # float32: outputs are then token-identical with and without speculation (checked per run); in
-    # bfloat16 a verification's multi-row matmuls round differently from single-row decodes, which
-    # flips near-ties (vLLM's too)
+    p.add_argument("--concurrency", help="comma-separated levels (default 1,4,16,64; --quick 1,16)")
+    p.add_argument("--repeats", type=int, help="default 2 (--quick: 1)")
+    p.add_argument("--max-tokens", type=int, help="default 96 (--quick: 64)")
+    # float32: outputs are then token-identical with and without speculation; in bfloat16 a verification's
+    # multi-row matmuls round differently from single-row decodes, which flips near-ties (vLLM's too)
     p.add_argument("--dtype", default="float32", choices=("bfloat16", "float32"))
-    p.add_argument("--threads", type=int, default=1,
-                   help="OpenMP threads per engine (1: robust on a shared machine, where 2 threads stall at barriers)")
+    p.add_argument("--threads", type=int, default=1, help="OpenMP threads per engine (1: robust on a shared machine)")
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--out-dir", default=None, help="default reports/ (build/bench-spec-quick/ with --quick)")
+    p.add_argument("--out-dir", help="default reports/ (build/bench-spec-quick/ with --quick)")
     p.add_argument("--setting-timeout-s", type=float, default=1800.0)
     args = p.parse_args(argv)
     args.concurrency = [int(c) for c in (args.concurrency or ("1,16" if args.quick else "1,4,16,64")).split(",")]
-    args.repeats = args.repeats or (1 if args.quick else 2)
-    args.max_tokens = args.max_tokens or (64 if args.quick else 96)
+    args.repeats, args.max_tokens = args.repeats or (1 if args.quick else 2), args.max_tokens or (64 if args.quick else 96)
     args.out_dir = args.out_dir or ("build/bench-spec-quick" if args.quick else "reports")
-    unknown = [s for s in args.settings.split(",") if s not in SETTINGS]
-    if unknown:
+    args.settings = args.settings.split(",")
+    if unknown := [s for s in args.settings if s not in SETTINGS]:
         p.error(f"unknown setting {unknown[0]!r}")
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    os.chdir(REPO)
-    machine = machine_info("cpu")
-    log(f"load average at start: {machine['load_avg_at_start']}")
-    table = QUICK_REQUESTS if args.quick else REQUESTS_PER_LEVEL
+    results = report.start("bench_spec")
+    table_ = QUICK_REQUESTS if args.quick else REQUESTS_PER_LEVEL
     # an absolute path: a relative one that does not resolve in vLLM's engine process reads as a hub id
-    opts = {"model": str(Path(args.model).resolve()), "dtype": args.dtype, "threads": args.threads, "max_tokens": args.max_tokens,
-            "workloads": args.workloads.split(","), "concurrency": args.concurrency, "repeats": args.repeats,
-            "requests": {c: table.get(c, max(c, 4)) for c in args.concurrency}}
-    runs, notes = [], {}
-    chosen = args.settings.split(",")
-    # native settings share one process (interleaved runs); each vLLM engine gets its own process
-    groups = [[s for s in chosen if SETTINGS[s][0] == "native"]] + [[s] for s in chosen if SETTINGS[s][0] == "vllm"]
-    for group in filter(None, groups):
-        if SETTINGS[group[0]][0] == "vllm" and not _has_vllm():
-            notes[group[0]] = "vllm is not installed (make install-vllm)"
+    opts = {"model": str(Path(args.model).resolve()), "dtype": args.dtype, "threads": args.threads, "max_tokens": args.max_tokens}
+    runs, results["notes"] = [], {}
+    results["options"] = {**opts, "model": args.model, "workloads": args.workloads, "concurrency": args.concurrency, "repeats": args.repeats}
+    for group in filter(None, [[s for s in args.settings if SETTINGS[s][0] == "native"], *([s] for s in args.settings if SETTINGS[s][0] == "vllm")]):
+        if SETTINGS[group[0]][0] == "vllm" and importlib.util.find_spec("vllm") is None:
+            results["notes"][group[0]] = "vllm is not installed (make install-vllm)"
             continue
-        log(f"{', '.join(group)}: starting")
-        result = run_settings(group, opts, args.setting_timeout_s)
-        if isinstance(result, str):
-            notes[", ".join(group)] = result
-            log(f"{', '.join(group)}: {result}")
-        else:
-            runs.extend(result)
-    machine["load_avg_at_end"] = [round(x, 2) for x in os.getloadavg()]
-    rows = summarize(runs)
-    report = {"workload": "W5 speculative decoding", "command": command_line().replace("bench_engine", "bench_spec"),
-              "options": {k: v for k, v in opts.items() if k != "model"} | {"model": args.model},
-              "settings": {k: v for k, v in SETTINGS.items() if k in args.settings.split(",")},
-              "machine": machine, "notes": notes, "rows": rows,
-              "runs": [{k: v for k, v in r.items() if k != "token_ids"} for r in runs]}
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    write_report(report, out)
-    log(f"wrote {out}/speculative.{{json,md,png}}")
+        worker = None
+        try:
+            worker = Worker("loadtest.bench_spec:SpecEngines", {**opts, "settings": group}, args.setting_timeout_s)
+            for workload in args.workloads.split(","):
+                for c in args.concurrency:
+                    for repeat in range(args.repeats):
+                        for setting in interleaved(group, repeat):
+                            r = worker.call("run", setting, workload, c, table_.get(c, max(c, 4)))
+                            runs.append({"setting": setting, "workload": workload, "concurrency": c, "repeat": repeat, **r})
+                            print(f"[bench-spec] {setting}: {workload} c={c} #{repeat}: {r['num_tokens'] / r['elapsed_s']:.1f} tok/s, accepted "
+                                  f"{r['accepted']:.0f}/{r['proposed']:.0f}", file=sys.stderr, flush=True)
+        except WorkerError as exc:
+            results["notes"][", ".join(group)] = str(exc).splitlines()[0]
+        finally:
+            if worker:
+                worker.stop()
+    results["settings"] = {s: SETTINGS[s] for s in args.settings}
+    results["rows"] = summarize(runs)
+    results["runs"] = [{k: v for k, v in r.items() if k != "token_ids"} for r in runs]
+    report.write(results, args.out_dir, "speculative", "W5: speculative decoding (native n-gram fixed k / adaptive k vs vLLM-CPU n-gram)",
+                 body(results), {"speculative": report.lines("Speedup over the same engine without speculation", "requests in flight", "speedup", {
+                     f"{w} {s}": [(r["concurrency"], r["speedup"]) for r in results["rows"] if (r["workload"], r["setting"]) == (w, s)]
+                     for w, s in dict.fromkeys((r["workload"], r["setting"]) for r in results["rows"] if r["speedup"] and r["setting"] not in BASELINE.values())},
+                     log="x")})
     return 0
-
-
-def _has_vllm() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("vllm") is not None
 
 
 if __name__ == "__main__":

@@ -1,32 +1,32 @@
-"""The compute floor of a W1 run: its FLOPs at the machine's measured matmul rate.
-
-FLOPs (multiply-adds count 2): every token of the run goes through the decoder's projections
-(q/k/v, o, gate/up, down) and attends over its context (QK^T and PV: 4 x context x heads x head_dim
-per layer); the lm_head runs once per sampled token (a prompt's last token, then every decode).
-Prefill tokens are counted at the rate of a `prefill_rows`-row matmul (the step token budget), decode
-tokens at a `decode_rows`-row one (the batch), each measured here with the model's own projection
-shapes in its dtype (on CPU in bf16: oneDNN with packed weights, and the engine's C++ kernels where
-they run, whichever is faster), after warm-up, best of `repeats`. Attention FLOPs are
-charged at the same rate, so the floor is optimistic: no engine can beat it on this machine.
-
-`measure(...)` runs in the benchmark's own worker process, with the engines' thread count.
+"""The compute floor of a W1 run: its FLOPs at the machine's measured matmul rate (multiply-adds count 2).
+Every token goes through the projections and attends over its context (4 x context x heads x head_dim per
+layer); the lm_head runs once per sampled token. Prefill tokens are charged at the rate of a
+`prefill_rows`-row matmul (the step budget), decode tokens at a `decode_rows`-row one (the batch), measured
+with the model's projection shapes (on CPU in bf16: oneDNN with packed weights or the engine's C++ kernels,
+whichever is faster), best of `repeats`; attention at the same rate, so no engine can beat the floor.
+`Floor` runs in a worker process and is measured right before every W1 run (the machine drifts 10-15%).
 """
 
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
 from typing import Any
+
+
+def _shapes(cfg: dict[str, Any]) -> list[tuple[int, int]]:
+    """(in, out) features of one layer's projections (qkv, o, gate_up, down), then of the lm_head."""
+    hidden, heads, inter = cfg["hidden_size"], cfg["num_attention_heads"], cfg["intermediate_size"]
+    head_dim = cfg.get("head_dim") or hidden // heads
+    q, kv = heads * head_dim, (cfg.get("num_key_value_heads") or heads) * head_dim
+    return [(hidden, q + 2 * kv), (q, hidden), (hidden, 2 * inter), (inter, hidden), (hidden, cfg["vocab_size"])]
 
 
 def token_flops(cfg: dict[str, Any]) -> tuple[int, int, int]:
     """(the projections' FLOPs per token, the lm_head's per sampled row, attention's per (query, key) pair)."""
-    hidden, inter, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
-    heads = cfg["num_attention_heads"]
-    head_dim = cfg.get("head_dim") or hidden // heads
-    kv = (cfg.get("num_key_value_heads") or heads) * head_dim
-    q = heads * head_dim
-    per_token = 2 * layers * (hidden * (q + 2 * kv) + q * hidden + hidden * 2 * inter + inter * hidden)
-    return per_token, 2 * hidden * cfg["vocab_size"], 4 * layers * heads * head_dim
+    *layer, (hidden, vocab) = _shapes(cfg)
+    return 2 * cfg["num_hidden_layers"] * sum(k * n for k, n in layer), 2 * hidden * vocab, 4 * cfg["num_hidden_layers"] * layer[1][0]
 
 
 def w1_flops(cfg: dict[str, Any], num_requests: int, prompt_len: int, output_len: int) -> dict[str, float]:
@@ -46,12 +46,7 @@ def matmul_rate(cfg: dict[str, Any], rows: int, dtype_name: str, device: str, re
     import torch
     import torch.nn.functional as F
 
-    dtype = getattr(torch, dtype_name)
-    hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
-    heads = cfg["num_attention_heads"]
-    head_dim = cfg.get("head_dim") or hidden // heads
-    q, kv = heads * head_dim, (cfg.get("num_key_value_heads") or heads) * head_dim
-    shapes = [(hidden, q + 2 * kv), (q, hidden), (hidden, 2 * inter), (inter, hidden)] + ([(hidden, cfg["vocab_size"])] if with_head else [])
+    dtype, shapes = getattr(torch, dtype_name), _shapes(cfg)[:None if with_head else -1]
     mats = [(torch.randn(rows, k, device=device).to(dtype), torch.randn(n, k, device=device).to(dtype)) for k, n in shapes]
     flops = sum(2 * rows * k * n for k, n in shapes)
     linears = {"torch": (F.linear, mats)}
@@ -82,20 +77,24 @@ def matmul_rate(cfg: dict[str, Any], rows: int, dtype_name: str, device: str, re
     return flops / best
 
 
-def measure(cfg: dict[str, Any], opts: dict[str, Any]) -> dict[str, Any]:
-    """The floor of this W1 run: its FLOPs, the two rates, the floor time and output tok/s."""
-    flops = w1_flops(cfg, opts["num_requests"], opts["prompt_len"], opts["output_len"])
-    decode_rows = min(opts["num_requests"], opts["max_num_seqs"])
-    prefill_rows = min(opts["num_requests"] * opts["prompt_len"], opts["max_num_batched_tokens"])
-    decode_rate = matmul_rate(cfg, decode_rows, opts["dtype"], opts["device"])
-    prefill_rate = matmul_rate(cfg, prefill_rows, opts["dtype"], opts["device"], with_head=False)
-    floor_s = flops["prefill_flops"] / prefill_rate + flops["decode_flops"] / decode_rate
-    return {
-        **flops,
-        "decode_rows": decode_rows,
-        "prefill_rows": prefill_rows,
-        "decode_tflop_s": decode_rate / 1e12,
-        "prefill_tflop_s": prefill_rate / 1e12,
-        "floor_s": floor_s,
-        "floor_output_tok_s": opts["num_requests"] * opts["output_len"] / floor_s,
-    }
+class Floor:
+    """The compute floor of the W1 run `opts` describes, measured anew on every `measure()`."""
+
+    def __init__(self, opts: dict[str, Any]) -> None:
+        import torch
+
+        if opts.get("threads"):
+            torch.set_num_threads(opts["threads"])
+        self.opts, self.cfg = opts, json.loads((Path(opts["model"]) / "config.json").read_text())
+
+    def measure(self) -> dict[str, Any]:
+        """The run's FLOPs, the two rates, the floor time and output tok/s."""
+        o, cfg = self.opts, self.cfg
+        flops = w1_flops(cfg, o["num_requests"], o["prompt_len"], o["output_len"])
+        decode_rows = min(o["num_requests"], o["max_num_seqs"])
+        prefill_rows = min(o["num_requests"] * o["prompt_len"], o["max_num_batched_tokens"])
+        decode_rate = matmul_rate(cfg, decode_rows, o["dtype"], o["device"])
+        prefill_rate = matmul_rate(cfg, prefill_rows, o["dtype"], o["device"], with_head=False)
+        floor_s = flops["prefill_flops"] / prefill_rate + flops["decode_flops"] / decode_rate
+        return {**flops, "decode_rows": decode_rows, "prefill_rows": prefill_rows, "decode_tflop_s": decode_rate / 1e12,
+                "prefill_tflop_s": prefill_rate / 1e12, "floor_s": floor_s, "floor_output_tok_s": o["num_requests"] * o["output_len"] / floor_s}

@@ -1,36 +1,24 @@
-"""Decode-step latency sweep: one engine decode step at batch sizes 1..256, beside its memory floor.
+"""Decode-step latency sweep: one decode step of the model runner alone at batch sizes 1..256 (median, p10-p90)
+beside its memory floor (every weight once plus the batch's K/V over the copy bandwidth measured in the run).
 
-For each batch size b, b requests with `--context` tokens of context each decode one token per step
-(the model runner alone: no scheduler, no detokenizer); the step time is the median over `--steps`
-timed steps (after warm-up), and the spread is reported. Beside it, the weight-streaming floor: the
-bytes a step must read (every weight once, plus the b contexts' K/V) over the device's measured
-copy bandwidth (a large device-to-device copy in the same run, read + write counted). On CUDA with
-graphs each step is one graph replay, so what remains above the floor is launch and kernel cost.
-
-    python loadtest/decode_sweep.py --device cuda --out-dir reports/gpu          # gpu_check.sh runs this
-    python loadtest/decode_sweep.py --quick                                      # CPU smoke run
-Writes decode_sweep.{json,md,png}.
+    python -m loadtest.decode_sweep --device cuda --out-dir reports/gpu     # gpu_check.sh runs this; --quick: CPU smoke run
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from serve_app.engine.config import EngineConfig  # noqa: E402
-from serve_app.engine.model_runner import ModelRunner, kv_cache_bytes_per_block  # noqa: E402
-from serve_app.engine.outputs import ScheduledRequest, SchedulerOutput  # noqa: E402
-from serve_app.types import SamplingParams  # noqa: E402
+from loadtest import report
+from loadtest.report import table
+from loadtest.stats import percentile
+from serve_app.engine.config import EngineConfig
+from serve_app.engine.model_runner import ModelRunner, kv_cache_bytes_per_block
+from serve_app.engine.outputs import ScheduledRequest, SchedulerOutput
+from serve_app.types import SamplingParams
 
 
 def sync(device: torch.device) -> None:
@@ -41,8 +29,7 @@ def sync(device: torch.device) -> None:
 def copy_bandwidth(device: torch.device, nbytes: int) -> float:
     """Bytes/s of a large copy (read + write), best of 5."""
     src = torch.empty(nbytes // 2, dtype=torch.float16, device=device)
-    dst = torch.empty_like(src)
-    best = float("inf")
+    dst, best = torch.empty_like(src), float("inf")
     for _ in range(5):
         sync(device)
         t0 = time.perf_counter()
@@ -53,22 +40,17 @@ def copy_bandwidth(device: torch.device, nbytes: int) -> float:
 
 
 def weight_bytes(runner: ModelRunner) -> int:
-    """Bytes a decode step streams: every projection and norm, the lm_head; not the embedding table
+    """Bytes a decode step streams: every projection and norm and the lm_head; not the embedding table
     (a step reads b of its rows), unless the head is tied to it (then it is read as the head)."""
     model = runner.model
-    total = sum(p.numel() * p.element_size() for name, p in model.named_parameters() if name != "embed")
     tied_head = model.embed.numel() * model.embed.element_size() if model.lm_head is None else 0
-    return total + tied_head
+    return sum(p.numel() * p.element_size() for name, p in model.named_parameters() if name != "embed") + tied_head
 
 
 def decode_batch(b: int, context: int, block_size: int) -> SchedulerOutput:
-    nb = -(-context // block_size)
-    greedy = SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True)
-    scheduled = tuple(
-        ScheduledRequest(f"r{i}", (100 + i,), context - 1, tuple(range(i * nb, (i + 1) * nb)), True, False, greedy, None)
-        for i in range(b)
-    )
-    return SchedulerOutput(scheduled, b)
+    nb, greedy = -(-context // block_size), SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True)
+    return SchedulerOutput(tuple(ScheduledRequest(f"r{i}", (100 + i,), context - 1, tuple(range(i * nb, (i + 1) * nb)), True, False, greedy, None)
+                                 for i in range(b)), b)
 
 
 def main() -> int:
@@ -82,84 +64,46 @@ def main() -> int:
     p.add_argument("--block-size", type=int, default=16, help="KV block size (tokens)")
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--enforce-eager", action="store_true", help="CUDA: no graphs")
-    p.add_argument("--out-dir", default=None, help="default reports/ (build/decode-sweep-quick/ with --quick)")
+    p.add_argument("--out-dir", help="default reports/ (build/decode-sweep-quick/ with --quick)")
     p.add_argument("--quick", action="store_true", help="batch 1, 4, 16; 5 steps; context 64")
     args = p.parse_args()
     if args.quick:
         args.batch_sizes, args.steps, args.context = "1,4,16", 5, 64
-    out_dir = Path(args.out_dir or ("build/decode-sweep-quick" if args.quick else "reports"))
-    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    device = torch.device(args.device)
-    load_avg = os.getloadavg()
+    sizes, device = [int(b) for b in args.batch_sizes.split(",")], torch.device(args.device)
+    results = report.start("decode_sweep", args.device)
     cfg = EngineConfig.from_kwargs(args.model, dtype=args.dtype, device=args.device, attention_backend=args.attention_backend,
-                                   enforce_eager=args.enforce_eager, max_num_seqs=max(batch_sizes), block_size=args.block_size,
-                                   num_blocks=max(batch_sizes) * -(-args.context // args.block_size) + 1)
+                                   enforce_eager=args.enforce_eager, max_num_seqs=max(sizes), block_size=args.block_size,
+                                   num_blocks=max(sizes) * -(-args.context // args.block_size) + 1)
     runner = ModelRunner(cfg.model, cfg.cache, cfg.model.hf_config(), cfg.scheduler)
-    bandwidth = copy_bandwidth(device, 1 << 30 if device.type == "cuda" else 1 << 28)
-    w_bytes = weight_bytes(runner)
+    bandwidth, w_bytes = copy_bandwidth(device, 1 << 30 if device.type == "cuda" else 1 << 28), weight_bytes(runner)
     kv_token = kv_cache_bytes_per_block(runner.args, 1, runner.dtype)
-    print(f"[sweep] {args.device} {args.dtype}, attention {runner.backend}{' + CUDA graphs' if runner.decode_graphs else ''}; "
-          f"weights {w_bytes / 2**20:.0f} MiB, copy bandwidth {bandwidth / 1e9:.0f} GB/s", flush=True)
-    rows = []
-    for b in batch_sizes:
-        batch = decode_batch(b, args.context, args.block_size)
+    results.update(device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", dtype=args.dtype, attention_backend=runner.backend,
+                   cuda_graphs=runner.decode_graphs is not None, context=args.context, steps=args.steps, block_size=args.block_size,
+                   weight_bytes=w_bytes, kv_bytes_per_token=kv_token, copy_bandwidth_gb_s=bandwidth / 1e9, rows=[])
+    for b in sizes:
+        batch, times = decode_batch(b, args.context, args.block_size), []
         for _ in range(3):
             runner.execute_model(batch)
-        times = []
         for _ in range(args.steps):
             sync(device)
             t0 = time.perf_counter()
             runner.execute_model(batch)  # ends with the sampled ids on the host: one sync
             times.append(time.perf_counter() - t0)
-        floor_s = (w_bytes + b * args.context * kv_token) / bandwidth
-        med = statistics.median(times)
-        rows.append({"batch": b, "step_ms": med * 1e3, "p10_ms": sorted(times)[len(times) // 10] * 1e3,
-                     "p90_ms": sorted(times)[(9 * len(times)) // 10] * 1e3, "floor_ms": floor_s * 1e3,
-                     "tok_s": b / med, "of_floor": floor_s / med})
-        print(f"[sweep] batch {b:4d}: step {med * 1e3:8.3f} ms (floor {floor_s * 1e3:7.3f} ms, {100 * floor_s / med:5.1f}%), "
-              f"{b / med:9.0f} tok/s", flush=True)
-    result = {
-        "command": " ".join(["python", "loadtest/decode_sweep.py", *sys.argv[1:]]),
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "torch": torch.__version__, "dtype": args.dtype, "attention_backend": runner.backend, "block_size": args.block_size,
-        "cuda_graphs": runner.decode_graphs is not None, "context": args.context, "steps": args.steps,
-        "weight_bytes": w_bytes, "kv_bytes_per_token": kv_token, "copy_bandwidth_gb_s": bandwidth / 1e9,
-        "load_avg_at_start": [round(x, 2) for x in load_avg], "rows": rows,
-    }
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "decode_sweep.json").write_text(json.dumps(result, indent=2) + "\n")
-    lines = [
-        "# Decode-step latency sweep", "",
-        f"`{result['command']}`", "",
-        f"{result['device']}, torch {result['torch']}, {args.dtype}, attention `{runner.backend}`"
-        f"{', CUDA graphs' if result['cuda_graphs'] else ''}; KV blocks of {args.block_size} tokens; context {args.context} "
-        f"tokens per request; median of "
-        f"{args.steps} steps (p10-p90). Floor: (weights {w_bytes / 2**20:.0f} MiB + the batch's K/V) / measured copy "
-        f"bandwidth {bandwidth / 1e9:.0f} GB/s. Load average at start: {result['load_avg_at_start']}.", "",
-        "| batch | step (ms) | p10-p90 (ms) | floor (ms) | floor / step | tok/s |", "|---|---|---|---|---|---|",
-    ]
-    lines += [f"| {r['batch']} | {r['step_ms']:.3f} | {r['p10_ms']:.3f}-{r['p90_ms']:.3f} | {r['floor_ms']:.3f} | "
-              f"{100 * r['of_floor']:.0f}% | {r['tok_s']:.0f} |" for r in rows]
-    (out_dir / "decode_sweep.md").write_text("\n".join(lines) + "\n")
-    try:
-        import matplotlib
+        floor_s, med = (w_bytes + b * args.context * kv_token) / bandwidth, percentile(times, 0.5)
+        results["rows"].append({"batch": b, "step_ms": med * 1e3, "p10_ms": percentile(times, 0.1) * 1e3, "p90_ms": percentile(times, 0.9) * 1e3,
+                                "floor_ms": floor_s * 1e3, "tok_s": b / med, "of_floor": floor_s / med})
+        print(f"[sweep] batch {b:4d}: step {med * 1e3:8.3f} ms (floor {floor_s * 1e3:7.3f} ms), {b / med:9.0f} tok/s", flush=True)
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(7, 4))
-        bs = [r["batch"] for r in rows]
-        ax.plot(bs, [r["step_ms"] for r in rows], "o-", label="decode step (median)")
-        ax.fill_between(bs, [r["p10_ms"] for r in rows], [r["p90_ms"] for r in rows], alpha=0.2)
-        ax.plot(bs, [r["floor_ms"] for r in rows], "k--", label="weight + KV streaming floor")
-        ax.set(xscale="log", yscale="log", xlabel="batch size (sequences)", ylabel="ms per step",
-               title=f"Decode step, {result['device']}, {args.dtype}")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(out_dir / "decode_sweep.png", dpi=110)
-    except ImportError:
-        pass
-    print(f"[sweep] wrote {out_dir}/decode_sweep.{{json,md,png}}")
+    report.write(results, args.out_dir or ("build/decode-sweep-quick" if args.quick else "reports"), "decode_sweep", "Decode-step latency sweep", [
+        f"{results['device']}, {args.dtype}, attention `{runner.backend}`{', CUDA graphs' if results['cuda_graphs'] else ''}; KV blocks of "
+        f"{args.block_size} tokens; context {args.context} tokens per request; median of {args.steps} steps (p10-p90). Floor: (weights "
+        f"{w_bytes / 2**20:.0f} MiB + the batch's K/V) / measured copy bandwidth {bandwidth / 1e9:.0f} GB/s.", ""] + table(
+        ["batch", "step (ms)", "p10-p90 (ms)", "floor (ms)", "floor / step", "tok/s"],
+        [[r["batch"], f"{r['step_ms']:.3f}", f"{r['p10_ms']:.3f}-{r['p90_ms']:.3f}", f"{r['floor_ms']:.3f}", f"{100 * r['of_floor']:.0f}%", f"{r['tok_s']:.0f}"]
+         for r in results["rows"]]), {"decode_sweep": report.lines(
+        f"Decode step, {results['device']}, {args.dtype}", "batch size (sequences)", "ms per step", {
+            "decode step (median)": [(r["batch"], r["step_ms"]) for r in results["rows"]],
+            "weight + KV streaming floor": [(r["batch"], r["floor_ms"]) for r in results["rows"]]}, log="xy")})
     return 0
 
 

@@ -1,66 +1,32 @@
-"""Load-test workload profiles for OpenAI-compatible LLM servers (pure Python: no Locust, no gevent).
-
-`loadtest/locustfile.py` draws every request from one of these profiles; tests use them directly.
-
-Profiles (`PROFILES`):
-- short-chat:     short questions (chat API), replies capped at 32-96 tokens.
-- long-prompt:    a ~1,100-token document to summarize (completions API), 64-token replies.
-- skewed:         90 % short-chat, 10 % long (long prompt and 256-token reply): a few heavy requests
-                  among many light ones (W3).
-- shared-prefix:  multi-turn chats that all start with the same ~450-token system prompt; each user
-                  keeps its conversation (its own questions and the server's replies) for `turns` turns,
-                  then starts a new one. Exercises prefix caching.
-
-Each request is an `LLMRequest` with both renderings: `messages` for /v1/chat/completions and `prompt`
-(a plain transcript) for /v1/completions; the API used is chosen per request (`choose_api`).
-Everything is drawn from a `random.Random` the caller seeds, so a run is reproducible.
+"""Load-test workload profiles (pure Python: no Locust): `short-chat` (short questions, 32-96-token replies),
+`long-prompt` (a ~1,100-token document to summarize, 64 tokens), `skewed` (90% short-chat, 10% long with a
+256-token reply) and `shared-prefix` (multi-turn chats on one ~450-token system prompt, each user keeping its
+conversation for `turns` turns). A request carries both renderings (chat `messages`, a transcript `prompt`);
+everything is drawn from the caller's seeded `random.Random`.
 """
 
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 PROFILES = ("short-chat", "long-prompt", "skewed", "shared-prefix")
 APIS = ("auto", "chat", "completions", "mixed")
 ENDPOINTS = {"chat": "/chat/completions", "completions": "/completions"}
 
 QUESTIONS = (
-    "What is the capital of France?",
-    "Give me three tips for better sleep.",
-    "Explain photosynthesis in one paragraph.",
-    "Write a haiku about the sea.",
-    "What is the difference between a list and a tuple in Python?",
-    "Why is the sky blue?",
-    "Suggest a name for a pet turtle.",
-    "How do I boil an egg?",
-    "What does HTTP stand for?",
-    "Summarize the plot of Romeo and Juliet in two sentences.",
-    "What are the primary colors?",
-    "How many continents are there? Name them.",
-    "Translate 'good morning' into Spanish and German.",
-    "What is a prime number? Give two examples.",
-    "Write a short motivational sentence for a Monday.",
-    "What is the boiling point of water at sea level?",
-    "Explain what a black hole is to a ten-year-old.",
-    "List three fruits that are high in vitamin C.",
-    "What is the Pythagorean theorem?",
-    "Describe a cat in one sentence.",
-    "How does a bicycle stay upright?",
-    "What is machine learning, briefly?",
-    "Give me a fun fact about octopuses.",
-    "What should I pack for a weekend hiking trip?",
+    "What is the capital of France?", "Give me three tips for better sleep.", "Explain photosynthesis in one paragraph.",
+    "Write a haiku about the sea.", "What is the difference between a list and a tuple in Python?", "Why is the sky blue?",
+    "Suggest a name for a pet turtle.", "How do I boil an egg?", "What does HTTP stand for?",
+    "Summarize the plot of Romeo and Juliet in two sentences.", "What are the primary colors?", "How many continents are there? Name them.",
+    "Translate 'good morning' into Spanish and German.", "What is a prime number? Give two examples.",
+    "Write a short motivational sentence for a Monday.", "What is the boiling point of water at sea level?",
+    "Explain what a black hole is to a ten-year-old.", "List three fruits that are high in vitamin C.", "What is the Pythagorean theorem?",
+    "Describe a cat in one sentence.", "How does a bicycle stay upright?", "What is machine learning, briefly?",
+    "Give me a fun fact about octopuses.", "What should I pack for a weekend hiking trip?",
 )
-
-FOLLOW_UPS = (
-    "Can you explain that more simply?",
-    "Give me an example.",
-    "Why is that?",
-    "Can you summarize your answer in one sentence?",
-    "What is a common mistake people make about this?",
-    "How would you explain it to a child?",
-)
-
+FOLLOW_UPS = ("Can you explain that more simply?", "Give me an example.", "Why is that?", "Can you summarize your answer in one sentence?",
+              "What is a common mistake people make about this?", "How would you explain it to a child?")
 _WORDS = (
     "the system data model request server cache memory token batch queue latency user network time value "
     "result process engine layer block table step policy stream metric report service load test record "
@@ -115,14 +81,6 @@ def choose_api(request: LLMRequest, api: str, rng: random.Random) -> str:
     return api
 
 
-@dataclass
-class Conversation:
-    """A user's ongoing multi-turn chat (shared-prefix profile)."""
-
-    messages: list[dict] = field(default_factory=list)
-    turn: int = 0
-
-
 class Workload:
     """Draws requests for one simulated user. Not shared between users (the multi-turn state is per user)."""
 
@@ -131,11 +89,10 @@ class Workload:
             raise ValueError(f"profile: must be one of {PROFILES}, got {profile!r}")
         if turns < 1:
             raise ValueError("turns: must be >= 1")
-        self.profile = profile
-        self.rng = rng
-        self.turns = turns
+        self.profile, self.rng, self.turns = profile, rng, turns
         self.max_tokens = max_tokens  # 0: the profile's own lengths
-        self.conversation = Conversation()
+        self.messages: list[dict] = []  # shared-prefix: this user's conversation so far
+        self.turn = 0
         self._system = shared_system_prompt() if profile == "shared-prefix" else ""
 
     def _cap(self, default: int) -> int:
@@ -160,38 +117,30 @@ class Workload:
         return LLMRequest(({"role": "user", "content": content},), self._cap(max_tokens), tag, "completions")
 
     def _next_turn(self) -> LLMRequest:
-        conv = self.conversation
-        if conv.turn >= self.turns or not conv.messages:
-            conv.messages = [{"role": "system", "content": self._system}]
-            conv.turn = 0
-        question = self.rng.choice(QUESTIONS if conv.turn == 0 else FOLLOW_UPS)
-        conv.messages.append({"role": "user", "content": question})
-        conv.turn += 1
-        return LLMRequest(tuple(dict(m) for m in conv.messages), self._cap(self.rng.randint(32, 64)), f"turn-{conv.turn}", "chat")
+        if self.turn >= self.turns or not self.messages:
+            self.messages, self.turn = [{"role": "system", "content": self._system}], 0
+        self.messages.append({"role": "user", "content": self.rng.choice(QUESTIONS if self.turn == 0 else FOLLOW_UPS)})
+        self.turn += 1
+        return LLMRequest(tuple(dict(m) for m in self.messages), self._cap(self.rng.randint(32, 64)), f"turn-{self.turn}", "chat")
 
     def record_reply(self, text: str) -> None:
         """Append the server's reply to the conversation (shared-prefix); a failed turn ends the conversation."""
         if self.profile != "shared-prefix":
             return
         if text:
-            self.conversation.messages.append({"role": "assistant", "content": text})
+            self.messages.append({"role": "assistant", "content": text})
         else:
-            self.conversation.turn = self.turns
+            self.turn = self.turns
 
 
 class PoissonArrivals:
-    """Open-loop arrival times: exponential gaps at `rate_per_s`, shared by every user of one process.
-
-    `claim(now)` hands out the next arrival time (monotonic seconds); the user that claims it sleeps
-    until then and sends. Arrivals therefore do not depend on how fast the server answers, as long as
-    some user is free when an arrival is due (otherwise it is sent late: the lag is recorded).
-    """
+    """Open-loop arrivals: exponential gaps at `rate_per_s`, one clock shared by every user of a process; the
+    user that claims an arrival sleeps until it, so arrivals do not depend on how fast the server answers."""
 
     def __init__(self, rate_per_s: float, seed: int = 0) -> None:
         if not rate_per_s > 0:
             raise ValueError(f"arrival_rate: must be > 0, got {rate_per_s!r}")
-        self.rate_per_s = rate_per_s
-        self.rng = random.Random(seed)
+        self.rate_per_s, self.rng = rate_per_s, random.Random(seed)
         self._next: float | None = None
 
     def claim(self, now: float) -> float:

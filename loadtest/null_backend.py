@@ -1,24 +1,15 @@
-"""The null engine: a `Backend` that generates tokens with no model, to measure the serving path alone.
+"""The null engine: a `Backend` that generates tokens with no model, to measure the serving path alone. Select it
+with `backend: "loadtest.null_backend:NullBackend"` (replicas need the repository on `PYTHONPATH`); options in
+`engine` (`NullEngineOptions`).
 
-Select it in any Serve config with `backend: "loadtest.null_backend:NullBackend"` (the replicas need
-the repository root on `PYTHONPATH`); its options go in `engine` (`NullEngineOptions`).
-
-What is real: the request validation and tokenization (the model directory's tokenizer, through the
-engine's `InputProcessor`), the output token ids and their text (a real English passage tokenized
-by that tokenizer, each request starting at its own offset, detokenized per token), the continuous
-batching admission (at most `max_num_seqs` running, KV blocks counted per request), the step clock
-(one token per running request every `step_time_s`), `SchedulerStats` per step and `RequestMetrics`
-per finished request to the replica's stat loggers (so the Prometheus metrics move), the routing
-stats, aborts freeing blocks, and the hand-off to the replica's event loop: one engine thread,
-one `call_soon_threadsafe` per step carrying every stream's delta, as a GPU engine would.
-
-What is not: sampling (stop strings, EOS and penalties are ignored: every request runs to
-`max_tokens` or the context length), prefill cost (a prompt takes one step, whatever its length) and
-preemption (a running request that finds no free KV block ends with "length"; size `num_blocks` so it
-never happens).
-
-The engine thread names itself `null-engine` at the OS level, so a benchmark can read its CPU time
-from /proc and count it apart from the replica's serving work (loadtest/bench_serving.py does).
+Real: request validation and tokenization (the model's tokenizer through the engine's `InputProcessor`), the
+output tokens and their text (a real passage, each request from its own offset, detokenized per token),
+continuous-batching admission (`max_num_seqs`, KV blocks counted per request), the step clock (a token per
+running request every `step_time_s`), `SchedulerStats` and `RequestMetrics` to the stat loggers, routing
+stats, aborts freeing blocks, and the hand-off to the replica's event loop (one `call_soon_threadsafe` per
+step, as a GPU engine would). Not real: sampling (every request runs to `max_tokens`), prefill cost (a prompt
+takes one step) and preemption (a request that finds no free block ends with "length"). The engine thread
+is named `null-engine` at the OS level, so a benchmark can count its CPU apart (loadtest/serving_path.py).
 """
 
 from __future__ import annotations
@@ -108,19 +99,13 @@ class NullEngine:
 
     def __init__(self, options: NullEngineOptions, token_ids: list[int], token_texts: dict[int, str],
                  stat_loggers: Sequence[Any], loop: asyncio.AbstractEventLoop) -> None:
-        self.options = options
-        self._token_ids = token_ids
-        self._texts = token_texts
-        self._stat_loggers = tuple(stat_loggers)
-        self._loop = loop
+        self.options, self._token_ids, self._texts, self._stat_loggers, self._loop = options, token_ids, token_texts, tuple(stat_loggers), loop
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._queues: dict[str, asyncio.Queue] = {}  # event-loop side
         self._waiting: list[_Sequence] = []
         self._running: dict[str, _Sequence] = {}
-        self._num_free_blocks = options.num_blocks
-        self._step_index = 0
+        self._num_free_blocks, self._step_index, self._stopped = options.num_blocks, 0, threading.Event()
         self.error: BaseException | None = None
-        self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name=ENGINE_THREAD_NAME, daemon=True)
         self._thread.start()
 
@@ -139,8 +124,7 @@ class NullEngine:
         self._queues.pop(request_id, None)
 
     def load(self) -> RoutingStats:
-        total = self.options.num_blocks
-        free = self._num_free_blocks
+        total, free = self.options.num_blocks, self._num_free_blocks
         return RoutingStats(kv_cache_usage=1 - free / total, num_free_blocks=free, num_total_blocks=total,
                             num_waiting=len(self._waiting), num_running=len(self._running))
 
@@ -227,8 +211,7 @@ class NullEngine:
         start = time.monotonic()
         outputs: list[RequestOutput] = []
         finished: list[tuple[FinishReason, RequestMetrics]] = []
-        num_prefill = sum(s.num_prompt_tokens for s in self._running.values() if s.num_generated == 0)
-        batch = len(self._running)
+        num_prefill, batch = sum(s.num_prompt_tokens for s in self._running.values() if s.num_generated == 0), len(self._running)
         for seq in list(self._running.values()):
             token_id = self._token_ids[(seq.offset + seq.num_generated) % len(self._token_ids)]
             seq.num_generated += 1
@@ -280,10 +263,7 @@ class NullBackend(Backend):
     """The null engine behind the `Backend` interface (see the module docstring)."""
 
     def __init__(self, model: str, options: NullEngineOptions, model_name: str = "", stat_loggers: Sequence[Any] = ()) -> None:
-        self.model = model
-        self.options = options
-        self.model_name = model_name or Path(model).name
-        self.stat_loggers = tuple(stat_loggers)
+        self.model, self.options, self.model_name, self.stat_loggers = model, options, model_name or Path(model).name, tuple(stat_loggers)
         self._engine: NullEngine | None = None
         self._input: Any = None
         self._num_requests = 0

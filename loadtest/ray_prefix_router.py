@@ -1,15 +1,9 @@
-"""Ray's `PrefixCacheAffinityRouter` (ray.serve.llm.request_router), adapted to our requests, for W4.
-
-Ray's router looks for the first handle-call argument with a `messages` or a `prompt` attribute and
-reads that attribute. Its own requests have one or the other; our `GenerateRequest` has both (the
-unused one is None), so it would read `messages = None` of a completion and refuse the request. The
-adapter hands it the one that is set (chat messages as a list: Ray's router joins list contents
-only). Calls that are not a generation (`model_info`) get no text, which Ray's router routes as
-power of two. Everything else (its character prefix tree built from its own routing history, its
-defaults) is Ray's. It is imported from the module that defines it: the public path,
-`ray.serve.llm.request_router`, re-exports the same class but first imports Ray Serve LLM's OpenAI
-models, which need vLLM or SGLang installed. Importing it needs `pyarrow` (Ray's `llm` extra): a
-benchmark-only dependency, installed by `make bench-prefix`, never by the default install.
+"""Ray's `PrefixCacheAffinityRouter`, adapted to our requests, for W4. Ray's router reads the `messages` or
+`prompt` attribute of the first argument that has one; our `GenerateRequest` has both (the unused one None),
+so the adapter hands it the one that is set (chat messages as a list; calls that are no generation get no
+text and are routed as power of two). Everything else is Ray's. It is imported from its defining module (the
+public `ray.serve.llm.request_router` first imports Ray Serve LLM's OpenAI models, which need vLLM or
+SGLang); that needs `pyarrow`, a benchmark-only dependency `make bench-prefix` installs.
 """
 
 from __future__ import annotations

@@ -1,21 +1,13 @@
 #!/usr/bin/env bash
 # `make loadtest`: a bounded, headless Locust run against a running OpenAI-compatible server (by default
-# `make serve` in another terminal), then the summary and plots.
+# `make serve` in another terminal), then its report (python -m loadtest.loadtest_report).
 #
-# Writes: $OUT/locust_{stats,stats_history,failures,exceptions}.csv, $OUT/locust.html (Locust's own
-# report), $OUT/records.jsonl (one line per request), reports/loadtest.{md,json} and
-# reports/loadtest_{ttft_cdf,timeseries}.png. Exit status: Locust's (1 if any request failed).
-#
-# Settings (environment; the Makefile passes its LOADTEST_* variables):
-#   LOADTEST_HOST        server or base URL            http://127.0.0.1:8000
-#   LOADTEST_USERS       concurrent users (-u)          8
-#   LOADTEST_SPAWN_RATE  users started per second (-r)  2
-#   LOADTEST_TIME        run time (-t)                  60s
-#   LOADTEST_WORKLOAD    short-chat | long-prompt | skewed | shared-prefix    skewed
-#   LOADTEST_API         auto | chat | completions | mixed                    mixed
-#   LOADTEST_ARGS        more locustfile/Locust options, e.g. "--arrival-rate 1.5" (open loop)
-#   LOADTEST_OUT         raw output folder               reports/loadtest
-#   OPENAI_API_KEY       bearer token if the server requires one (SERVE_APP_API_KEY of `make serve`)
+# Writes $OUT/locust_*.csv, $OUT/locust.html (Locust's own report), $OUT/records.jsonl (one line per
+# request), reports/loadtest.{md,json} and reports/loadtest_{ttft_cdf,timeseries}.png. Exit status:
+# Locust's (1 if any request failed). Settings (environment; the Makefile passes its LOADTEST_*):
+# LOADTEST_HOST (http://127.0.0.1:8000), LOADTEST_USERS (8), LOADTEST_SPAWN_RATE (2), LOADTEST_TIME (60s),
+# LOADTEST_WORKLOAD (skewed), LOADTEST_API (mixed), LOADTEST_ARGS (more locustfile/Locust options, e.g.
+# "--arrival-rate 1.5"), LOADTEST_OUT (reports/loadtest), OPENAI_API_KEY (if the server needs a key).
 set -euo pipefail
 
 VENV=${VENV:-.venv}
@@ -34,29 +26,24 @@ case "$base" in */v1) models="$base/models" ;; *://*/*) models="$base/models" ;;
 auth=()
 [ -n "${OPENAI_API_KEY:-}" ] && auth=(-H "Authorization: Bearer $OPENAI_API_KEY")
 if ! curl -sf --max-time 10 "${auth[@]}" "$models" >/dev/null; then
-  echo "[loadtest] no OpenAI-compatible server answers $models." >&2
-  echo "[loadtest] start one first, e.g. \`make serve\` in another terminal (ready when it logs 'OpenAI-compatible API ready')," >&2
-  echo "[loadtest] or point LOADTEST_HOST at another server (set OPENAI_API_KEY if it needs a key)." >&2
+  echo "[loadtest] no OpenAI-compatible server answers $models: start one first (\`make serve\` in another terminal, ready when it" \
+       "logs 'OpenAI-compatible API ready'), or point LOADTEST_HOST at another server (with OPENAI_API_KEY if it needs a key)." >&2
   exit 2
 fi
 
 mkdir -p "$OUT"
 rm -f "$OUT"/locust_*.csv "$OUT"/records.jsonl*
-settings="users=$USERS spawn_rate=$SPAWN_RATE run_time=$RUN_TIME workload=$WORKLOAD api=$API${EXTRA:+ $EXTRA}"
-note="machine load average (1 min) at the start: $(cut -d' ' -f1 /proc/loadavg) on $(nproc) cores"
-command="make loadtest LOADTEST_USERS=$USERS LOADTEST_TIME=$RUN_TIME LOADTEST_WORKLOAD=$WORKLOAD LOADTEST_API=$API${EXTRA:+ LOADTEST_ARGS='$EXTRA'}"
-echo "[loadtest] $HOST: $settings (+ up to ${STOP_TIMEOUT}s for requests in flight at the end)"
-started=$(date +%s)
+settings="$HOST: users=$USERS spawn_rate=$SPAWN_RATE run_time=$RUN_TIME workload=$WORKLOAD api=$API${EXTRA:+ $EXTRA}"
+load_before=$(cut -d' ' -f1-3 /proc/loadavg)
+echo "[loadtest] $settings (+ up to ${STOP_TIMEOUT}s for requests in flight at the end)"
 status=0
 # shellcheck disable=SC2086  # EXTRA is a list of options
 "$VENV/bin/locust" -f loadtest/locustfile.py --host "$HOST" --headless --only-summary \
   -u "$USERS" -r "$SPAWN_RATE" -t "$RUN_TIME" --stop-timeout "$STOP_TIMEOUT" \
   --workload "$WORKLOAD" --api "$API" --records "$OUT/records.jsonl" \
   --csv "$OUT/locust" --csv-full-history --html "$OUT/locust.html" $EXTRA || status=$?
-echo "[loadtest] Locust finished in $(( $(date +%s) - started )) s (exit status $status)"
-
-"$VENV/bin/python" loadtest/loadtest_report.py --records "$OUT/records.jsonl" --csv-prefix "$OUT/locust" \
-  --out-md reports/loadtest.md --png-prefix reports/loadtest --title "$WORKLOAD workload against $HOST" \
-  --command "$command" --target "$HOST" --settings "$settings" --note "$note" --date "$(date -u +%Y-%m-%dT%H:%M:%SZ)"
-echo "[loadtest] Locust's report: $OUT/locust.html; CSV: $OUT/locust_*.csv"
+"$VENV/bin/python" -m loadtest.loadtest_report --records "$OUT/records.jsonl" --out-dir reports \
+  --title "$WORKLOAD workload against $HOST" --settings "$settings" --load-before "$load_before" \
+  --command "make loadtest LOADTEST_USERS=$USERS LOADTEST_TIME=$RUN_TIME LOADTEST_WORKLOAD=$WORKLOAD LOADTEST_API=$API${EXTRA:+ LOADTEST_ARGS='$EXTRA'}"
+echo "[loadtest] Locust exit status $status; its report: $OUT/locust.html; CSV: $OUT/locust_*.csv"
 exit "$status"

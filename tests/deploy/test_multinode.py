@@ -39,7 +39,7 @@ import psutil
 import pytest
 import yaml
 
-from loadtest.replica_probe import FACTORY, PROBE_DIR_ENV
+from tests.replica_probe import FACTORY, PROBE_DIR_ENV
 from tests.router.ray_helpers import REPO, TwoNodeCluster, served_by, wait_for
 from tests.serving.conftest import APP_NAME, MODEL_NAME, free_port
 
@@ -196,7 +196,7 @@ def test_serve_deploy_on_two_nodes_survives_losing_a_node(model_dir, tmp_path):
     base_url = f"http://127.0.0.1:{http_port}"
     config_path.write_text(yaml.safe_dump(deploy_config(model_dir, http_port), sort_keys=False))
     cluster = TwoNodeCluster(dashboard_port=free_port(), env={
-        PROBE_DIR_ENV: str(probe_dir), "PYTHONPATH": str(REPO),  # replicas import loadtest.replica_probe
+        PROBE_DIR_ENV: str(probe_dir), "PYTHONPATH": str(REPO),  # replicas import tests.replica_probe
         # the GCS declares a node whose raylet is gone dead after ~5 s (default ~15 s); a live raylet
         # slowed by a busy machine still has 5 s per check, so the head is never declared dead
         "RAY_health_check_period_ms": "1000", "RAY_health_check_timeout_ms": "5000",

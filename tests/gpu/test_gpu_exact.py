@@ -7,7 +7,7 @@ preemption. bf16: a sanity check (first tokens agree, the smoke prompt answers "
 Marked `gpu` (the default suite deselects it) and skipped without CUDA. Run with
 `pytest -m gpu tests/gpu` (loadtest/gpu_check.sh does). `GPU_TEST_DEVICE=cpu` runs the same checks
 on the CPU (slow; for checking this file without a GPU). `GPU_TEST_MODEL` overrides the model directory
-(a random-weight stand-in from loadtest/random_model.py skips the bf16 text check).
+(the random-weight stand-in loadtest/gpu_check.sh makes without the weights skips the bf16 text check).
 """
 
 from __future__ import annotations
@@ -151,7 +151,7 @@ def test_fp32_token_exact_under_preemption(prompts, hf_fp32, tokenizer):
 
 def test_bf16_sanity(prompts, tokenizer):
     if (MODEL_DIR / "RANDOM_WEIGHTS").is_file():
-        pytest.skip("random weights (loadtest/random_model.py): no sensible text to check")
+        pytest.skip("random weights (loadtest/gpu_check.sh): no sensible text to check")
     reference = hf_greedy("bfloat16", prompts, 8)
     _, native, outs = native_greedy("bfloat16", prompts, MAX_TOKENS)
     first_equal = sum(a[:1] == b[:1] for a, b in zip(native, reference, strict=True))

@@ -2,27 +2,24 @@
 
 from __future__ import annotations
 
-import json
 import statistics
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "loadtest"))
-
-from batching_report import decode_step_cost, makespan_lower_bound, step_cost_model, write_reports  # noqa: E402
-from batching_trace import (  # noqa: E402
+from loadtest import report
+from loadtest.batching_model import (
     DEFAULT_CLASSES,
     RequestResult,
     StepRecord,
     compare,
     describe_trace,
     make_trace,
+    makespan_lower_bound,
+    step_cost_model,
     summarize_policy,
     timeline_segments,
 )
-from bench_batching import engine_kwargs, parse_args, parse_policy  # noqa: E402
+from loadtest.bench_batching import body, engine_kwargs, parse_args, parse_policy, plots
 
 
 def test_trace_is_seeded_poisson_with_mixed_lengths():
@@ -44,7 +41,7 @@ def test_trace_is_seeded_poisson_with_mixed_lengths():
     assert shares["short"] / 3000 == pytest.approx(0.6, abs=0.03) and shares["long"] / 3000 == pytest.approx(0.1, abs=0.02)
     d = describe_trace(a)
     assert d["output_tokens"] == sum(r.output_len for r in a) and d["num_requests"] == 48
-    with pytest.raises(ValueError, match="rate"):
+    with pytest.raises(ValueError, match="rate_per_s"):
         make_trace(4, 0.0)
 
 
@@ -129,31 +126,23 @@ def test_reports_targets_and_files(tmp_path):
     policies = {"static": _policy("static", 10.0, 4.0, "static"), "dynamic": _policy("dynamic", 15.0, 2.0, "dynamic"),
                 "continuous": _policy("continuous", 30.0, 1.0, "continuous"), "static-b8": _policy("static-b8", 8.0, 5.0, "static")}
     results = {
-        "workload": {**describe_trace(make_trace(4, 1.0)), "rate_per_s": 1.0, "seed": 0, "quick": False},
+        "workload": {**describe_trace(make_trace(4, 1.0)), "rate_per_s": 1.0, "seed": 0},
         "settings": {"dtype": "bfloat16", "max_num_seqs": 32, "max_num_batched_tokens": 2048, "static_timeout_s": 2.0, "batch_size": 0},
-        "machine": {"cpu": "x86_64", "logical_cores": 2, "torch": "2.13.0", "torch_threads": 1, "git": "abc"},
-        "command": ".venv/bin/python loadtest/bench_batching.py", "date": "2026-01-01T00:00:00+00:00", "duration_s": 60.0,
+        "machine": {"cpu": "x86_64", "flags": [], "logical_cores": 2, "physical_cores": 2, "memory_gib": 8, "torch": "2.13.0", "vllm": None,
+                    "git": "abc", "load_avg_before": [1, 1, 1]},
+        "command": ".venv/bin/python -m loadtest.bench_batching", "date": "2026-01-01T00:00:00+00:00", "duration_s": 60.0,
         "policies": policies, "comparison": compare({k: v["summary"] for k, v in policies.items()}),
     }
-    paths = write_reports(results, tmp_path / "out", raw_path=tmp_path / "raw.json")
-    names = {p.name for p in paths}
-    assert {"batching.json", "batching.md", "batching_timeline.png", "batching_batch_size.png",
-            "batching_timeline_continuous.png", "raw.json"} <= names
+    paths = report.write(results, tmp_path / "out", "batching", "W2", body(results), plots(results))
+    assert [p.name for p in paths] == ["batching.json", "batching.md", "batching_timeline.png", "batching_batch_size.png"]
     md = (tmp_path / "out" / "batching.md").read_text()
-    assert "continuous / static = **3.00x** (target ≥ 2.5x): met" in md
-    assert "continuous / static = **0.25x** (target ≤ 0.5x): met" in md
-    assert "| continuous | 30.0 | 1.00 | 1.00 |" in md and "3.00x | 0.25x |" in md
-    assert "static-b8 (batch 8): 8.0 tok/s, continuous 3.75x" in md
-    assert "![timeline](batching_timeline.png)" in md
-    committed = json.loads((tmp_path / "out" / "batching.json").read_text())
-    assert "steps" not in committed["policies"]["static"] and committed["decode_step_cost"][0]["batch"] == "1-4"
-    assert json.loads((tmp_path / "raw.json").read_text())["policies"]["static"]["steps"][0]["batch"]
-    assert [r["batch"] for r in decode_step_cost(results)] == ["1-4"]
-
+    assert "throughput **3.00x** (target ≥ 2.5x: met), TTFT p50 **0.25x** (target ≤ 0.5x: met)" in md
+    assert "| continuous | 30.0 | 1.00 | 1.00 |" in md and "| 3.00x | 0.25x |" in md
+    assert "static-b8: static (batch 8, wait ≤ 2 s)" in md
+    assert "![batching_timeline](batching_timeline.png)" in md
     policies["continuous"]["summary"]["output_tok_s"] = 20.0
     results["comparison"] = compare({k: v["summary"] for k, v in policies.items()})
-    write_reports(results, tmp_path / "out2")
-    assert "(target ≥ 2.5x): **not met**" in (tmp_path / "out2" / "batching.md").read_text()
+    assert "(target ≥ 2.5x: **not met**)" in "\n".join(body(results))
 
 
 def test_step_cost_model_recovers_costs_and_bounds_the_ratio():

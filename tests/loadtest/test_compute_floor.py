@@ -3,13 +3,9 @@ HF model's linear layers per token, plus attention's 4 x context x heads x head_
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "loadtest"))
-from compute_floor import matmul_rate, w1_flops  # noqa: E402
+from loadtest.compute_floor import matmul_rate, w1_flops
 
 CFG = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 3,
        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 300, "tie_word_embeddings": True}

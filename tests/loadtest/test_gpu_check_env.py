@@ -40,7 +40,8 @@ ENGINE_MODULES = [
 ]
 TEST_MODULES = ["tests.conftest", "tests.engine.conftest", "tests.gpu.test_gpu_exact", "tests.gpu.test_gpu_paths",
                 "tests.engine.test_triton_kernels"]
-SCRIPT_MODULES = ["bench_engine", "decode_sweep", "random_model", "engine_runners", "compute_floor", "bench_report"]  # loadtest/
+SCRIPT_MODULES = ["loadtest.bench_engine", "loadtest.decode_sweep", "loadtest.engines", "loadtest.compute_floor",
+                  "loadtest.worker", "loadtest.report"]
 
 CHILD = r"""
 import importlib.util, json, sys
@@ -77,8 +78,8 @@ def refused_modules() -> list[str]:
 
 
 def run_child(code: str) -> None:
-    """Run `code` in a python without the refused packages (PYTHONPATH=. and loadtest/, as gpu_check.sh)."""
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'loadtest'}", "TRITON_INTERPRET": "1",
+    """Run `code` in a python without the refused packages (PYTHONPATH=., as gpu_check.sh)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TRITON_INTERPRET": "1",
            "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}  # the GPU machine has no pytest plugins to autoload
     proc = subprocess.run([sys.executable, "-c", CHILD, json.dumps(refused_modules()), code], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=300)
@@ -99,11 +100,11 @@ def test_engine_gpu_tests_and_gpu_check_scripts_import_without_them():
         "import importlib\n"
         f"for name in {ENGINE_MODULES + TEST_MODULES + SCRIPT_MODULES!r}:\n"
         "    importlib.import_module(name)\n"
-        "import bench_engine\n"
-        "assert bench_engine.psutil is None\n"
-        "info = bench_engine.machine_info('cuda')\n"  # psutil's fields are left empty, the rest is there
-        "assert info['physical_cores'] is None and info['logical_cores'] >= 1\n"
-        "assert bench_engine.tree_rss(1) == 0 and bench_engine.busy_cpu_s() != bench_engine.busy_cpu_s()  # NaN\n"
+        "from loadtest import machine, report\n"
+        "assert machine.psutil is None\n"
+        "info = report.start('bench_engine', 'cuda')['machine']\n"  # the facts need no psutil; its accounting reads NaN
+        "assert info['logical_cores'] >= 1 and info['cpu'] and len(info['load_avg_before']) == 3\n"
+        "assert machine.tree(1) == [] and machine.own_cpu_s() != machine.own_cpu_s()  # NaN\n"
     )
     run_child(code)
 

@@ -100,9 +100,8 @@ def test_closed_loop_mixed_apis_records_llm_metrics(served, tmp_path):
         assert r["tpot_s"] == pytest.approx((r["e2e_s"] - r["ttft_s"]) / (MAX_TOKENS - 1))
         assert r["prompt_tokens"] > 0
 
-    report = subprocess.run([sys.executable, "loadtest/loadtest_report.py", "--records", str(tmp_path / "records.jsonl"),
-                             "--csv-prefix", str(tmp_path / "locust"), "--out-md", str(tmp_path / "loadtest.md"),
-                             "--png-prefix", str(tmp_path / "loadtest")], cwd=REPO, capture_output=True, text=True, timeout=120)
+    report = subprocess.run([sys.executable, "-m", "loadtest.loadtest_report", "--records", str(tmp_path / "records.jsonl"),
+                             "--out-dir", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert report.returncode == 0, report.stderr
     summary = json.loads((tmp_path / "loadtest.json").read_text())["summary"]
     assert summary["num_failed"] == 0 and summary["num_ok"] == num_requests

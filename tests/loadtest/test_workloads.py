@@ -6,14 +6,11 @@ from __future__ import annotations
 import json
 import random
 import statistics
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "loadtest"))
-
-from llm_workloads import (  # noqa: E402
+from loadtest import loadtest_report
+from loadtest.llm_workloads import (
     PROFILES,
     LLMRequest,
     PoissonArrivals,
@@ -22,7 +19,7 @@ from llm_workloads import (  # noqa: E402
     choose_api,
     shared_system_prompt,
 )
-from loadtest_report import quantile, read_locust_csv, summarize, time_series, write_report  # noqa: E402
+from loadtest.loadtest_report import load_records, summarize, time_series
 
 
 def _draw(profile: str, n: int, seed: int = 0, **kw) -> list[LLMRequest]:
@@ -111,14 +108,6 @@ def _record(start, ttft, e2e, tokens, ok=True, name="/v1/chat/completions [short
             "e2e_s": e2e, "output_tokens": tokens if ok else 0, "prompt_tokens": 10, "max_tokens": 32, "lag_s": 0.0}
 
 
-def test_quantile_matches_linear_interpolation():
-    assert quantile([], 0.5) is None
-    assert quantile([3.0], 0.99) == 3.0
-    values = [float(v) for v in range(1, 101)]
-    assert quantile(values, 0.5) == pytest.approx(50.5)
-    assert quantile(values, 0.99) == pytest.approx(99.01)
-
-
 def test_summary_numbers_and_files(tmp_path):
     records = [_record(1000.0 + i, ttft=0.1 * (i + 1), e2e=2.0, tokens=11) for i in range(10)]
     records.append(_record(1005.0, 0, 0.5, 0, ok=False, error="HTTP 503: overloaded"))
@@ -134,25 +123,18 @@ def test_summary_numbers_and_files(tmp_path):
     assert s["errors"] == {"HTTP 503: overloaded": 1}
 
     series = time_series(records, bin_s=2.0)
-    # every ok request's 11 tokens spread over its decode time: the total comes back
+    # every ok request's 11 tokens, in the bin it ended in: the total comes back
     assert sum(series["tok_s"]) * 2.0 == pytest.approx(110)
     assert sum(series["req_s"]) * 2.0 == pytest.approx(10)
 
     (tmp_path / "r.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records[:6]))
     (tmp_path / "r.jsonl.123").write_text("".join(json.dumps(r) + "\n" for r in records[6:]))  # a worker's file
-    (tmp_path / "run_stats.csv").write_text(
-        "Type,Name,Request Count,Failure Count,Median Response Time,Average Response Time,Min Response Time,Max Response Time,"
-        "Average Content Size,Requests/s,Failures/s,50%,66%,75%,80%,90%,95%,98%,99%,99.9%,99.99%,100%\n"
-        "LLM,ttft_ms,10,0,550,550.0,100,1000,0,1.0,0,550,700,800,800,900,1000,1000,1000,1000,1000,1000\n")
-    from loadtest_report import load_records
-
-    loaded = load_records(str(tmp_path / "r.jsonl"))
-    assert len(loaded) == 11
-    locust = read_locust_csv(str(tmp_path / "run"))
-    out = write_report(loaded, locust, tmp_path / "out" / "loadtest.md", tmp_path / "out" / "lt", {"title": "t", "command": "make loadtest"})
+    assert len(load_records(str(tmp_path / "r.jsonl"))) == 11
+    assert loadtest_report.main(["--records", str(tmp_path / "r.jsonl"), "--out-dir",
+                                 str(tmp_path / "out"), "--title", "t", "--command", "make loadtest", "--load-before", "0.5 0.4 0.3"]) == 0
     md = (tmp_path / "out" / "loadtest.md").read_text()
+    assert md.startswith("# Load test: t\n\n`make loadtest`") and "[0.5, 0.4, 0.3] before" in md
     assert "**1 failed**" in md and "| TTFT (send → first token) | 550 |" in md
-    assert "| HTTP 503: overloaded | 1 |" in md and "| LLM | ttft_ms | 10 | 0 | 550 |" in md
-    assert "![lt_ttft_cdf.png](lt_ttft_cdf.png)" in md
-    assert (tmp_path / "out" / "lt_ttft_cdf.png").stat().st_size > 5000
-    assert json.loads((tmp_path / "out" / "loadtest.json").read_text())["summary"]["num_failed"] == out["num_failed"] == 1
+    assert "| HTTP 503: overloaded | 1 |" in md
+    assert "![loadtest_ttft_cdf](loadtest_ttft_cdf.png)" in md and (tmp_path / "out" / "loadtest_timeseries.png").stat().st_size > 5000
+    assert json.loads((tmp_path / "out" / "loadtest.json").read_text())["summary"]["num_failed"] == 1

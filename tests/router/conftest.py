@@ -1,5 +1,5 @@
 """Router-test fixtures: a local Ray (integration) and a two-node Ray cluster on this machine
-(multi-node), each with the replica probe (`loadtest.replica_probe`) writing into a fresh directory."""
+(multi-node), each with the replica probe (`tests.replica_probe`) writing into a fresh directory."""
 
 from __future__ import annotations
 

@@ -30,8 +30,9 @@ from typing import Any
 
 import psutil
 
-from loadtest.replica_probe import FACTORY, PROBE_DIR_ENV, read_probes, serve_replicas, where
+from loadtest.server import serve_replicas
 from tests.polling import wait_for  # noqa: F401 (also re-exported to test modules)
+from tests.replica_probe import FACTORY, PROBE_DIR_ENV, read_probes, where
 from tests.serving.conftest import APP_NAME, MODEL_DIR, MODEL_NAME, free_port
 
 REPO = Path(__file__).resolve().parents[2]

@@ -7,8 +7,16 @@ import json
 
 import pytest
 
-from loadtest.bench_routing import compare_runs, replica_deltas, write_report
-from loadtest.routing_trace import Mix, RequestResult, compare, make_trace, pct, summarize_run
+from loadtest.bench_routing import (
+    Mix,
+    RequestResult,
+    compare,
+    compare_runs,
+    make_trace,
+    replica_deltas,
+    summarize_run,
+    write_report,
+)
 
 
 def test_traces_are_seeded_poisson_with_the_skewed_mix():
@@ -27,16 +35,15 @@ def test_traces_are_seeded_poisson_with_the_skewed_mix():
         make_trace("bursty", mix, 1.0, 1.0, 0)
 
 
-def test_percentiles_and_summary():
-    assert pct([], 0.5) is None
-    assert pct([3.0, 1.0, 2.0], 0.5) == 2.0 and pct(list(range(1, 101)), 0.99) == 99
+def test_summary():
     results = [RequestResult(i, "short", i * 0.1, 0.1 * (i + 1), 1.0 + i, 16) for i in range(10)]
     results.append(RequestResult(10, "long", 1.0, 5.0, 9.0, 128))
     results.append(RequestResult(11, "long", 1.1, None, None, 0, "timeout"))
     s = summarize_run(results, wall_s=20.0, preemptions=3, per_replica={"a": {"requests": 11}})
     assert s["num_requests"] == 12 and s["num_errors"] == 1 and s["errors"] == ["timeout"]
     assert s["output_tokens"] == 10 * 16 + 128 and s["output_tok_s"] == pytest.approx((160 + 128) / 20)
-    assert s["ttft_p99_s"] == 5.0 and s["by_kind"]["short"]["ttft_p99_s"] == pytest.approx(1.0)
+    # linear interpolation (loadtest/stats.py): 11 TTFTs 0.1 ... 1.0 and 5.0, the p99 between the two largest
+    assert s["ttft_p99_s"] == pytest.approx(1.0 + 0.9 * 4.0) and s["by_kind"]["short"]["ttft_p99_s"] == pytest.approx(0.991)
     assert s["by_kind"]["long"]["n"] == 1 and s["preemptions"] == 3
     ratios = compare({"kv_aware": {"ttft_p99_s": 1.0, "output_tok_s": 110.0, "ttft_p50_s": 0.2, "e2e_p99_s": 4.0},
                       "pow2": {"ttft_p99_s": 2.0, "output_tok_s": 100.0, "ttft_p50_s": 0.2, "e2e_p99_s": 8.0}})
@@ -62,8 +69,9 @@ def test_report_from_a_synthetic_run(tmp_path):
                 "by_kind": {"short": {"ttft_p50_s": 0.1, "ttft_p99_s": 0.5}, "long": {"ttft_p50_s": 1.0, "ttft_p99_s": 2.0}},
                 "ttft_cdf": [0.1, 0.2, max(p99s)], "per_seed": per_seed}
 
-    results = {"date": "2026-01-01 00:00 UTC", "command": "python loadtest/bench_routing.py", "machine": "x", "loadavg_start": "1",
-               "loadavg_end": "1", "mix": {**Mix().__dict__, "mean_prompt": Mix().mean_prompt, "mean_output": Mix().mean_output},
+    machine = {"cpu": "x", "flags": [], "logical_cores": 2, "physical_cores": 2, "memory_gib": 8, "torch": "2.13.0", "vllm": None, "git": "abc",
+               "load_avg_before": [1, 1, 1]}
+    results = {"date": "2026-01-01 00:00 UTC", "command": "python -m loadtest.bench_routing", "machine": machine, "mix": {**Mix().__dict__, "mean_prompt": Mix().mean_prompt, "mean_output": Mix().mean_output},
                "workload": {"duration_s": 40, "seeds": [0, 1], "load": 0.85, "num_blocks": 128, "rate_req_s": 2.0,
                             "capacity_req_s": 2.35},
                "routers": {"pow2": {"runs": {"skewed": run([2.0, 1.0], 100.0), "uniform": run([1.0, 1.0], 100.0)}},
@@ -75,7 +83,7 @@ def test_report_from_a_synthetic_run(tmp_path):
     md = (tmp_path / "routing.md").read_text()
     assert "| skewed | 0.60 | 0.60, 0.90 |" in md and "| yes |" in md  # pooled 1.2 / 2.0 = 0.6 ≤ 0.7, tok/s 1.01
     assert "| uniform | 1.20 | 1.20, 0.50 |" in md and md.rstrip().count("| no |") == 1  # 1.2 > 1.1
-    assert "| kv_aware | 1.200 | 0.900 |" in md  # each seed's own p99
+    assert "| 0 | 1.200 | 0.900 |" in md  # kv_aware's errors, then each seed's own p99
     assert (tmp_path / "routing.png").stat().st_size > 10_000
     committed = json.loads((tmp_path / "routing.json").read_text())
     assert "requests" not in committed["routers"]["pow2"]["runs"]["skewed"]  # per-request data: raw only

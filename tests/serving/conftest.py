@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from loadtest.replica_probe import serve_replicas
+from loadtest.server import serve_replicas
 from tests.polling import wait_for  # noqa: F401 (also re-exported to test modules)
 from tests.ray_start import init_local_ray
 

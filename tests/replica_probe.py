@@ -1,23 +1,15 @@
-"""Per-replica engine facts for routing tests and benchmarks, through the `stat_logger_factories` hook.
+"""Per-replica engine facts for routing tests and the routing benchmarks (loadtest/bench_routing.py,
+bench_prefix.py), through the `stat_logger_factories` hook, like tests/serving/faults.py's fault logger.
 
-Add `"loadtest.replica_probe:make_probe_logger"` to a ServeConfig's `stat_logger_factories` and set
-the environment variable `SERVE_APP_PROBE_DIR` (Ray workers inherit it from the process that started
-Ray; the repository root must be the driver's working directory so replicas can import `loadtest`).
-Each LLMServer replica then keeps `<dir>/<replica id>.json` up to date with:
-
-    {"replica_id", "node_id", "pid", "request_ids": [engine request ids it ran, in order],
-     "num_finished", "num_preemptions", "num_steps", "max_kv_cache_usage", "max_num_waiting"}
-
-so a test can tell exactly which replica (and node) served which request, and a benchmark can count
-preemptions per replica without a Prometheus scrape. The file is rewritten (atomically) whenever a
-request finishes or is preempted, and at most every 0.2 s when only new requests appeared; every
-request finishes, so the last write holds the final state. Without the environment variable the
-logger does nothing.
+With `FACTORY` in a ServeConfig's `stat_logger_factories` and `PROBE_DIR_ENV` set where Ray starts (its
+workers inherit it), each LLMServer replica keeps `<dir>/<replica id>.json` up to date: {"replica_id",
+"node_id", "pid", "request_ids" (engine request ids it ran, in order), "num_finished", "num_preemptions",
+"num_steps", "max_kv_cache_usage", "max_num_waiting"}, rewritten atomically when a request finishes or is
+preempted, at most every 0.2 s when only new requests appeared (so the last write holds the final state).
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import time
@@ -25,21 +17,8 @@ from pathlib import Path
 from typing import Any
 
 PROBE_DIR_ENV = "SERVE_APP_PROBE_DIR"
-FACTORY = "loadtest.replica_probe:make_probe_logger"
+FACTORY = "tests.replica_probe:make_probe_logger"
 WRITE_INTERVAL_S = 0.2
-
-
-def serve_replicas(app: str, deployment: str = "LLMServer") -> dict[str, Any]:
-    """The live replica actors of a Serve deployment in the connected Ray cluster, by replica id."""
-    import ray
-
-    prefix = f"SERVE_REPLICA::{app}#{deployment}#"
-    out = {}
-    for entry in ray.util.list_named_actors(all_namespaces=True):
-        if entry["name"].startswith(prefix):
-            with contextlib.suppress(ValueError):  # it died since it was listed
-                out[entry["name"].removeprefix(prefix)] = ray.get_actor(entry["name"], namespace="serve")
-    return out
 
 
 class ReplicaProbe:

@@ -1,0 +1,1 @@
+"""Benchmarks and load tests; run each as `python -m loadtest.<name>` from the repository root."""

@@ -1,0 +1,117 @@
+"""Every benchmark's report, in one shape: `<name>.json` (everything measured), `<name>.md` (a header — title,
+command, date, machine, load before and after, duration — then the tables) and PNG figures (matplotlib when
+installed; `bars` and `lines` draw the usual ones). `start` takes the header facts, `write` the files.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import shlex
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from loadtest import machine
+
+Plot = Callable[[Any], Any]  # matplotlib.pyplot → the Figure to save
+
+
+def command_line(module: str, argv: Sequence[str] | None = None) -> str:
+    """How to run this again from the repository root."""
+    return shlex.join([".venv/bin/python", "-m", f"loadtest.{module}", *(sys.argv[1:] if argv is None else argv)])
+
+
+def start(module: str, device: str = "cpu") -> dict[str, Any]:
+    """The header facts, taken before anything runs."""
+    return {"command": command_line(module), "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+            "machine": machine.facts(device), "started": time.monotonic()}
+
+
+def cell(s: dict[str, float] | None, scale: float = 1.0, digits: int = 1) -> str:
+    """A spread as `median (min–max)`; the value alone for one repeat; – for none."""
+    if not s:
+        return "–"
+    if s["n"] == 1:
+        return f"{s['median'] * scale:,.{digits}f}"
+    return f"{s['median'] * scale:,.{digits}f} ({s['min'] * scale:,.{digits}f}–{s['max'] * scale:,.{digits}f})"
+
+
+def num(value: float | None, digits: int = 2, scale: float = 1.0) -> str:
+    return "–" if value is None else f"{value * scale:,.{digits}f}"
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
+    """Markdown table lines (cells as given, stringified), then a blank line."""
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header), *("| " + " | ".join(str(c) for c in row) + " |" for row in rows), ""]
+
+
+def bars(title: str, ylabel: str, groups: dict[str, dict[str, Any]]) -> Plot:
+    """Grouped bars: a group per key of `groups`, a bar per series in it; a spread ({"median", "min",
+    "max"}) draws its median with the min–max as an error bar; None draws nothing."""
+    def draw(plt):
+        series = list(dict.fromkeys(k for g in groups.values() for k in g))
+        fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(groups) * max(len(series), 1)), 4.5))
+        width = 0.8 / max(len(series), 1)
+        for i, name in enumerate(series):
+            values = [groups[g].get(name) for g in groups]
+            med = [(v["median"] if isinstance(v, dict) else v) or 0.0 for v in values]
+            err = [[m - v["min"] if isinstance(v, dict) else 0 for m, v in zip(med, values, strict=True)],
+                   [v["max"] - m if isinstance(v, dict) else 0 for m, v in zip(med, values, strict=True)]]
+            ax.bar([k + i * width for k in range(len(groups))], med, width, yerr=err if any(map(any, err)) else None, capsize=4, label=name)
+        ax.set_xticks([k + width * (len(series) - 1) / 2 for k in range(len(groups))], list(groups), fontsize=8)
+        ax.set(title=title, ylabel=ylabel)
+        ax.legend(fontsize=7)
+        return fig
+
+    return draw
+
+
+def lines(title: str, xlabel: str, ylabel: str, series: dict[str, list[tuple[float, float]]], log: str = "") -> Plot:
+    """A line per series through its (x, y) points; `log`: the axes on a log scale ("x", "y", "xy")."""
+    def draw(plt):
+        fig, ax = plt.subplots(figsize=(8, 4.5))
+        for name, points in series.items():
+            ax.plot([x for x, _ in points], [y for _, y in points], marker="o" if len(points) < 30 else None, label=name)
+        ax.set(title=title, xlabel=xlabel, ylabel=ylabel, xscale="log" if "x" in log else "linear", yscale="log" if "y" in log else "linear")
+        ax.legend(fontsize=7)
+        return fig
+
+    return draw
+
+
+def _save_plots(plots: dict[str, Plot], out_dir: Path) -> list[Path]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    paths = []
+    for name, draw in plots.items():
+        fig = draw(plt)
+        paths.append(out_dir / f"{name}.png")
+        fig.tight_layout()
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+    return paths
+
+
+def write(results: dict[str, Any], out_dir: str | Path, name: str, title: str, body: Sequence[str], plots: dict[str, Plot] | None = None) -> list[Path]:
+    """Add the load after and the duration to `results` and write the report's files (again, when called
+    again: a long benchmark writes after each part); returns their paths."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    machine.finish(results["machine"])
+    if "started" in results:  # (results made elsewhere, e.g. by a test, carry their own or none)
+        results["duration_s"] = round(time.monotonic() - results["started"], 1)
+    paths = [out_dir / f"{name}.json", out_dir / f"{name}.md"]
+    paths[0].write_text(json.dumps({k: v for k, v in results.items() if k != "started"}, indent=1, default=str) + "\n")
+    figures = _save_plots(plots or {}, out_dir)
+    head = [f"# {title}", "", f"`{results['command']}`", "",
+            f"{results['date']}, {results.get('duration_s')} s; {machine.describe(results['machine'])}.", ""]
+    paths[1].write_text("\n".join([*head, *body, "", *(f"![{p.stem}]({p.name})" for p in figures)]).replace("\n\n\n", "\n\n").rstrip() + "\n")
+    return paths + figures
