@@ -8,17 +8,18 @@ A constrained request's rows are masked one of two ways, with the same sampled t
 
 - **Checked** (greedy rows that reach the argmax as they are: no penalties, `logit_bias`, blocked
   tokens, logprobs or draft distributions; most constrained rows). After the forward, each row's
-  argmax is checked against the grammar (`GrammarState.allows`: microseconds); only a row whose
-  argmax the grammar forbids has its mask filled and applied. That gives exactly the masked row's
-  argmax: the argmax is the first index of the row's maximum, and when the grammar allows that token
-  it is also the first index of the maximum over the allowed tokens. The full mask (a hundred
-  microseconds or more where a JSON string allows most of the vocabulary, and applying it over the
-  vocabulary as much again) is paid only where the model's choice breaks the grammar, mostly at
-  structural positions, whose masks are small.
+  argmax is checked against the grammar (`GrammarState.allows`: microseconds). An allowed argmax is
+  the masked row's argmax too: the argmax is the first index of the row's maximum, and a token first
+  among all tokens is first among the allowed ones. A forbidden one is knocked out (set to -inf) and
+  the next argmax checked, up to MAX_KNOCKOUTS times; only then is the row's mask filled and applied
+  whole. The full mask (a hundred microseconds or more where a JSON string allows most of the
+  vocabulary, and applying it as much again) is thus paid only where the model's choice breaks the
+  grammar beyond a few tokens, at structural positions, whose masks allow few tokens and fill fast.
 - **Filled** (every other constrained row: its whole distribution is read). Its mask is filled for
-  every row, by one worker thread while the forward pass runs (`MaskFiller.start` before it,
-  `StepMasks.apply` after it) when that thread has a core of its own: xgrammar's mask fill is C++
-  that releases the GIL, so the two overlap on a GPU or when the CPU forward leaves a core free.
+  every row, by one worker thread while the forward pass runs (`MaskFiller.start` before it), and
+  applied after it (`StepMasks.apply`, by `mask_rows`), when that thread has a core of its own:
+  xgrammar's mask fill is C++ that releases the GIL, so the two overlap on a GPU or when the CPU
+  forward leaves a core free.
   When the forward's threads use every core, the fill has no core to overlap on (a third busy thread
   can only take one from the forward's parallel regions), so there it runs in the engine thread
   before the forward.
