@@ -201,6 +201,10 @@ ENGINE_METRICS: tuple[MetricSpec, ...] = (
     SPEC_PROPOSED_TOKENS, SPEC_ACCEPTED_TOKENS, SPEC_VERIFIED_REQUESTS, SPEC_DECODE_REQUESTS, ENGINE_EXECUTION_PATHS,
     GRAMMAR_COMPILE_TIME, GRAMMAR_MASK_TIME,
 )
+# the vLLM backend has no source for these: vLLM compiles and applies its grammars internally and
+# reports no timing of either, so its replicas leave both histograms empty
+NATIVE_ONLY_METRICS: tuple[MetricSpec, ...] = (GRAMMAR_COMPILE_TIME, GRAMMAR_MASK_TIME)
+VLLM_ENGINE_METRICS: tuple[MetricSpec, ...] = tuple(m for m in ENGINE_METRICS if m not in NATIVE_ONLY_METRICS)
 ROUTER_METRICS: tuple[MetricSpec, ...] = (ROUTER_STATS_AGE, ROUTER_ROUTED_REQUESTS, ROUTER_DECISIONS, ROUTER_CACHED_TOKENS_ABS_ERROR,
                                           ROUTER_PREDICTED_CACHED_TOKENS, ROUTER_ACTUAL_CACHED_TOKENS)
 API_METRICS: tuple[MetricSpec, ...] = (API_REQUESTS,)

@@ -272,7 +272,7 @@ def test_vllm_stats_reach_our_metric_names(loop, engine):
 
     streams = loop.run(run())
     exposition = prom.exposition().decode()  # after this test's own traffic: it does not rely on a neighbour's
-    for spec in names.ENGINE_METRICS:
+    for spec in names.VLLM_ENGINE_METRICS:
         for series in spec.series_names():
             assert f"\n{series}{{" in exposition, f"{series} is not exported"
     num_prompt = sum(s[0].num_prompt_tokens for s in streams)

@@ -248,7 +248,7 @@ def test_our_metric_names_on_rays_endpoint_move_with_known_traffic(app, served):
         return second if counts[0] == counts[1] and counts[1][-1] > 0 else None
 
     before = wait_for(settled, 90, interval_s=0.5, message="engine metrics on Ray's endpoint, settled")
-    for spec in names.ENGINE_METRICS:
+    for spec in names.VLLM_ENGINE_METRICS:
         for series in spec.series_names(prefix):
             labelled = [lbls for (n, lbls), _ in before.items() if n == series]
             assert labelled, f"{series} is not on Ray's metrics endpoint"
