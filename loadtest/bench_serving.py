@@ -15,6 +15,9 @@ import contextlib
 import itertools
 import json
 import os
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -236,13 +239,16 @@ def anchor_lines(results: dict[str, Any]) -> list[str]:
     def rate(name: str) -> dict[str, float] | None:
         return spread(r["output_tok_s"] for r in anchors.get(name, {}).get("runs", []) if r["concurrency"] == c)
 
-    rows, vllm = [], rate("vllm-offline")
+    rows, vllm, native, ray_direct = [], rate("vllm-offline"), rate("native-offline"), rate("ray-serve-llm-direct")
     for name, label in (("vllm-server", "vLLM-CPU's OpenAI server"), ("ray-serve-llm", "Ray Serve LLM over vLLM-CPU (1 replica)"),
                         ("ray-serve-llm-direct", "Ray Serve LLM over vLLM-CPU, direct streaming (1 replica, HAProxy)")):
         served = rate(name)
         rows.append([label, cell(vllm), cell(served), f"× {served['median'] / vllm['median']:.2f}" if served and vllm else "–"])
+    goals = []
     for v in (v for v in results["variants"] if v["replicas"] == 1 and str(c) in v["summary"]["throughput"]):
-        t, native = v["summary"]["throughput"][str(c)], rate("native-offline")
+        t = v["summary"]["throughput"][str(c)]
+        goals.append([f"{v['torch_threads_per_replica']} thread(s), {streams_label(v)}", _versus(t["serve"], native, 0.85), _versus(t["serve"], ray_direct, 1.5),
+                      f"+{v['summary']['ttft']['overhead_ms']['median']:.1f} ms ({'met' if v['summary']['ttft']['overhead_ms']['median'] <= 15 else 'not met'})"])
         rows += [[f"ours through Ray Serve ({streams_label(v)}; vs our offline `LLM`)", cell(native), cell(t["serve"]),
                   f"× {t['serve']['median'] / native['median']:.2f}" if native else "–"],
                  [f"ours through Ray Serve ({streams_label(v)}; vs the async engine in-process)", cell(t["direct"]), cell(t["serve"]),
@@ -251,7 +257,24 @@ def anchor_lines(results: dict[str, Any]) -> list[str]:
             "Same prompt and output lengths and client, one stack after the other, each in its own process (loadtest/serving_anchors.py); "
             "offline = the engine's own batch API on every prompt at once.", ""] + table(
         ["stack", "offline engine, tok/s", "through its server, tok/s", "server ÷ offline"], rows) + [
-        f"- {name}: not measured ({entry['error']})" for name, entry in anchors.items() if "error" in entry]
+        f"- {name}: not measured ({entry['error']})" for name, entry in anchors.items() if "error" in entry] + [
+        "", f"Targets at {c} streams (medians over repeats): our tokens/s through Serve at least 0.85× our offline engine's and 1.5× Ray Serve "
+        "LLM's direct streaming; TTFT at low load at most 15 ms above the in-process async engine's.", ""] + table(
+        ["ours through Ray Serve", "÷ our offline engine", "÷ Ray Serve LLM direct streaming", "TTFT added at low load"], goals)
+
+
+def _versus(ours: dict[str, float] | None, anchor: dict[str, float] | None, target: float) -> str:
+    if not ours or not anchor:
+        return "–"
+    ratio = ours["median"] / anchor["median"]
+    return f"× {ratio:.2f} ({'met' if ratio >= target else 'not met'})"
+
+
+def run_in_child(overrides: list[str]) -> list[dict[str, Any]]:
+    """The variants of this benchmark run again in a child process with this one's options, `overrides` last (they win)."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        subprocess.run([sys.executable, "-m", "loadtest.bench_serving", *sys.argv[1:], *overrides, "--out-dir", out_dir], check=True)
+        return json.loads((Path(out_dir) / "serving.json").read_text())["variants"]
 
 
 def parse_args() -> argparse.Namespace:
@@ -284,8 +307,6 @@ def parse_args() -> argparse.Namespace:
     if opts.quick:
         opts.repeats, opts.ttft_requests, opts.output_len, opts.concurrency, opts.anchor_concurrency = 1, 4, 16, [8, 32], [8]
         opts.null_streams, opts.null_output_lens, opts.null_repeats = [64], [128], 1
-    if "haproxy" in opts.real_profiles and (len(opts.real_profiles) > 1 or not opts.skip_null):
-        parser.error("--real-profiles haproxy runs alone (with --skip-null): HAProxy mode is read once per process")
     if len(opts.replica_threads) != len(opts.replicas):
         parser.error("--replica-threads needs one value per --replicas entry")
     return opts
@@ -294,7 +315,10 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     opts = parse_args()
     envs = {profile: serving_path.profile_env(profile) for profile in {*opts.real_profiles, *opts.null_profiles}}
-    if "haproxy" in opts.real_profiles:  # before anything imports Ray Serve: it reads HAProxy mode then
+    # HAProxy mode is read once per process, when Ray Serve is imported: alone, this process runs it;
+    # beside other profiles, a child process of its own does (after them, on a machine they left idle)
+    haproxy_alone = opts.real_profiles == ["haproxy"] and opts.skip_null
+    if haproxy_alone:
         os.environ.update(envs["haproxy"])
     args = server.config_args(opts.config)
     vocab, engine_kwargs = json.loads((Path(args["model"]) / "config.json").read_text())["vocab_size"], dict(args.get("engine", {}))
@@ -312,7 +336,7 @@ def main() -> None:
     if not opts.skip_real:
         direct = DirectTarget(args["model"], engine_kwargs)
         try:
-            for profile in opts.real_profiles:
+            for profile in [p for p in opts.real_profiles if haproxy_alone or p != "haproxy"]:
                 with server.ray_started("bench-serving", {**results["serve_env"], **envs[profile]}):
                     for (replicas, threads), mux, batch in itertools.product(zip(opts.replicas, opts.replica_threads, strict=True),
                                                                              ["off"] if profile == "haproxy" else opts.real_mux,
@@ -324,6 +348,8 @@ def main() -> None:
                                                     "batch_interval_s": batch})
         finally:
             direct.engine.shutdown()
+        if "haproxy" in opts.real_profiles and not haproxy_alone:
+            results["variants"] += run_in_child(["--real-profiles", "haproxy", "--skip-null", "--anchors"])
     if opts.anchors:
         results["anchors"] = {"concurrency": opts.anchor_concurrency,
                               "results": serving_anchors.measure(opts.anchors, args["model"], engine_kwargs, opts, vocab)}

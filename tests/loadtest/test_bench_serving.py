@@ -12,6 +12,7 @@ import pytest
 from loadtest import bench_serving
 from loadtest.bench_serving import measure_throughput, steal_share, summarize
 from loadtest.client import Stream
+from loadtest.stats import spread
 
 CpuTimes = collections.namedtuple("CpuTimes", "user system idle steal")
 
@@ -111,3 +112,20 @@ def test_every_variant_gets_its_own_prompts():
     finally:
         bench_serving.make_prompts, bench_serving.serve_target = original
     assert len(seen) == 2 and seen[0] != seen[1]
+
+
+def test_targets_read_our_rate_against_the_offline_engine_and_rays_direct_streaming():
+    def runs(rate: float) -> dict:
+        return {"runs": [{"concurrency": 32, "output_tok_s": rate}]}
+
+    anchors = {"native-offline": runs(400.0), "ray-serve-llm-direct": runs(200.0), "vllm-offline": runs(250.0)}
+    variants = [{"replicas": 1, "torch_threads_per_replica": 2, "profile": "default", "multiplexed": mux, "batch_interval_s": 0.0,
+                 "summary": {"ttft": {"overhead_ms": spread([ttft])},
+                             "throughput": {"32": {"serve": spread([served]), "direct": spread([served]), "serve_over_direct": spread([1.0])}}}}
+                for mux, served, ttft in ((True, 360.0, 12.0), (False, 280.0, 20.0))]
+    lines = bench_serving.anchor_lines({"anchors": {"concurrency": [32], "results": anchors}, "variants": variants})
+    goals = [line for line in lines if line.startswith("| 2 thread(s)")]
+    assert len(goals) == 2
+    assert "× 0.90 (met)" in goals[0] and "× 1.80 (met)" in goals[0] and "+12.0 ms (met)" in goals[0]
+    assert "× 0.70 (not met)" in goals[1] and "× 1.40 (not met)" in goals[1] and "+20.0 ms (not met)" in goals[1]
+    assert any("vLLM-CPU's OpenAI server" in line and "| – |" in line for line in lines)  # not measured: a dash, no ratio
