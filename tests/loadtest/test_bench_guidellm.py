@@ -57,7 +57,7 @@ def test_command_names_guidellm_0_8_1s_options():
 
 def test_comparison_report_pairs_ratios_per_repeat(tmp_path):
     base = bench_guidellm.summary(REPORT)
-    runs = [{**base, "server": server, "repeat": repeat, "startup_s": 30.0, "client_cpu_s": 20.0, "output_tok_s": tok_s, "itl_p50_ms": itl}
+    runs = [{**base, "server": server, "repeat": repeat, "startup_s": 30.0, "client_cpu_s": 20.0, "others_cpu_pct": 4.0, "output_tok_s": tok_s, "itl_p50_ms": itl}
             for server, repeat, tok_s, itl in (("ours", 0, 260.0, 50.0), ("vllm", 0, 200.0, 50.0), ("vllm", 1, 180.0, 60.0), ("ours", 1, 252.0, 66.0))]
     results = {**report.start("bench_guidellm"), "guidellm": "0.8.1", "config": "configs/local.yaml",
                "workload": {"concurrency": 16, "prompt_tokens": 128, "output_tokens": 64, "seconds": 40.0}, "runs": runs}
