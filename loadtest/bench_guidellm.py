@@ -47,14 +47,13 @@ def guidellm_cmd(url: str, out_json: Path, opts: argparse.Namespace) -> list[str
 def summary(guidellm_report: dict[str, Any]) -> dict[str, Any]:
     """GuideLLM's json report → the figures compared, from its first benchmark: output tok/s as GuideLLM prints it (every
     output token of the window, those of requests the end cut off included, over its duration); TTFT and ITL
-    percentiles, prompt and output tokens over the completed requests; request counts."""
+    percentiles, prompt and output tokens over the completed requests (None when none completed: a server slower than
+    one request per window); request counts."""
     bench = guidellm_report["benchmarks"][0]
     metrics, totals = bench["metrics"], bench["metrics"]["request_totals"]
-    if not totals["successful"]:
-        raise RuntimeError(f"GuideLLM completed no request: {totals}")
 
-    def pct(key: str, q: str) -> float:
-        return metrics[key]["successful"]["percentiles"][q]
+    def pct(key: str, q: str) -> float | None:
+        return metrics[key]["successful"]["percentiles"][q] if totals["successful"] else None
 
     return {"output_tok_s": metrics["output_tokens_per_second"]["total"]["mean"], "window_s": bench["duration"],
             **{f"{name}_{q}_ms": pct(key, q) for name, key in (("ttft", "time_to_first_token_ms"), ("itl", "inter_token_latency_ms"))
@@ -112,8 +111,9 @@ def warm_up(url: str) -> None:
 def write(results: dict[str, Any], opts: argparse.Namespace) -> None:
     runs, servers = results["runs"], list(dict.fromkeys(r["server"] for r in results["runs"]))
     label = {s: LABELS[s].format(config=opts.config) for s in servers}
-    results["servers"] = {s: {k: spread(r[k] for r in runs if r["server"] == s) for k in METRICS} for s in servers}
-    per_repeat = {k: {s: {r["repeat"]: r[k] for r in runs if r["server"] == s} for s in servers} for k in ("output_tok_s", "itl_p50_ms", "ttft_p50_ms")}
+    results["servers"] = {s: {k: spread(r[k] for r in runs if r["server"] == s and r[k] is not None) for k in METRICS} for s in servers}
+    per_repeat = {k: {s: {r["repeat"]: r[k] for r in runs if r["server"] == s and r[k] is not None} for s in servers}
+                  for k in ("output_tok_s", "itl_p50_ms", "ttft_p50_ms")}
     results["vs_vllm"] = {s: {k: paired_ratios(per_repeat[k], s, "vllm") for k in per_repeat} for s in servers if s != "vllm"}
     w = results["workload"]
     body = [f"GuideLLM {results['guidellm']} (`guidellm run`, concurrent profile): {w['concurrency']} streams of synthetic chats, "
@@ -138,8 +138,9 @@ def plot(stats: dict[str, dict[str, Any]], label: dict[str, str]) -> report.Plot
         fig, axes = plt.subplots(1, 3, figsize=(12, 4.5))
         names = list(stats)
         for ax, key in zip(axes, ("output_tok_s", "itl_p50_ms", "ttft_p50_ms"), strict=True):
-            med = [stats[s][key]["median"] for s in names]
-            err = [[m - stats[s][key]["min"] for m, s in zip(med, names, strict=True)], [stats[s][key]["max"] - m for m, s in zip(med, names, strict=True)]]
+            got = [stats[s][key] or {"median": 0.0, "min": 0.0, "max": 0.0} for s in names]  # (no request completed: no latency)
+            med = [g["median"] for g in got]
+            err = [[m - g["min"] for m, g in zip(med, got, strict=True)], [g["max"] - m for m, g in zip(med, got, strict=True)]]
             ax.bar(range(len(names)), med, yerr=err if any(map(any, err)) else None, capsize=4, color=[f"C{i}" for i in range(len(names))])
             ax.set_xticks(range(len(names)), [label[s].replace(" (", "\n(").replace(", SERVE", ",\nSERVE") for s in names], fontsize=7)
             ax.set_title(METRICS[key])
@@ -164,8 +165,8 @@ def compare(opts: argparse.Namespace) -> None:
                 others_s = machine.busy_cpu_s() - busy0 - (machine.own_cpu_s() - own0) - run["client_cpu_s"]
                 run["others_cpu_pct"] = 100 * others_s / ((time.monotonic() - t0) * (os.cpu_count() or 1))
             results["runs"].append({"server": name, "repeat": repeat, "startup_s": startup_s, **run})
-            print(f"[bench-guidellm] repeat {repeat} {name}: {run['output_tok_s']:.1f} output tok/s, TTFT p50 {run['ttft_p50_ms']:.0f} ms, "
-                  f"ITL p50 {run['itl_p50_ms']:.1f} ms; others' CPU {run['others_cpu_pct']:.0f}% ({time.monotonic() - begin:.0f} s)", flush=True)
+            print(f"[bench-guidellm] repeat {repeat} {name}: {run['output_tok_s']:.1f} output tok/s, TTFT p50 {report.num(run['ttft_p50_ms'], 0)} ms, "
+                  f"ITL p50 {report.num(run['itl_p50_ms'], 1)} ms; others' CPU {run['others_cpu_pct']:.0f}% ({time.monotonic() - begin:.0f} s)", flush=True)
             write(results, opts)
 
 
@@ -176,7 +177,7 @@ def one_server(opts: argparse.Namespace) -> None:
     report.write(results, out, "summary", f"GuideLLM against {opts.url}", [
         f"GuideLLM {results['guidellm']}: {opts.concurrency} streams, synthetic chats of {opts.prompt_tokens} prompt and {opts.output_tokens} "
         f"output tokens, {opts.seconds:g} s; its report: `guidellm_report.json`.", "",
-        *table([*list(METRICS.values())[:5], "requests"], [[*(f"{results[k]:,.1f}" for k in list(METRICS)[:5]), requests_cell(results)]])])
+        *table([*list(METRICS.values())[:5], "requests"], [[*(report.num(results[k], 1) for k in list(METRICS)[:5]), requests_cell(results)]])])
     print((out / "summary.md").read_text())
 
 
