@@ -32,6 +32,7 @@ from loadtest.batching_model import (
     timeline_segments,
 )
 from loadtest.report import num, table
+from tests.recording_logger import RecordingLogger
 
 POLICIES = ("static", "dynamic", "continuous")
 TARGET_THROUGHPUT_RATIO, TARGET_TTFT_RATIO = 2.5, 0.5  # continuous vs static
@@ -93,22 +94,11 @@ async def _replay(engine, trace: list[TraceRequest], policy: str, timeout_s: flo
     return results, t0, not pending, max(lags, default=0.0)
 
 
-class StepRecorder:
-    """Stat logger keeping every step's stats (called from the engine thread)."""
-
-    def __init__(self) -> None:
-        self.steps: list = []
-
-    def record(self, scheduler_stats, finished) -> None:
-        if scheduler_stats is not None:
-            self.steps.append(scheduler_stats)
-
-
 def run_policy(args: argparse.Namespace, spec: str, trace: list[TraceRequest]) -> dict[str, Any]:
     from serve_app.engine.async_engine import AsyncLLMEngine
 
     policy, batching, batch_size = parse_policy(spec)
-    recorder, kwargs = StepRecorder(), engine_kwargs(args, batching, batch_size)
+    recorder, kwargs = RecordingLogger(), engine_kwargs(args, batching, batch_size)
     engine = AsyncLLMEngine.from_kwargs(args.model, stat_loggers=[recorder], **kwargs)
     loop = asyncio.new_event_loop()
     try:  # warm-up (kernels, allocator), not measured

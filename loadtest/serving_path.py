@@ -1,4 +1,4 @@
-"""The serving path's ceiling: the null engine (loadtest/null_backend.py) behind the real Serve app. A point = a
+"""The serving path's ceiling: the null backend (serve_app/backends/null.py) behind the real Serve app. A point = a
 deployment (ingress replicas, stream batching, multiplexing, profile) × a load (streams × output tokens, all
 started at once). The client reads raw SSE bytes (`Completions.reads`: its own cost small, counted apart).
 Per point: tokens/s carried against what the null engine makes alone; CPU ms per output token per process
@@ -15,9 +15,9 @@ from typing import Any
 
 from loadtest import machine, report
 from loadtest.client import burst
-from loadtest.null_backend import ENGINE_THREAD_NAME
 from loadtest.report import table
 from loadtest.stats import percentile
+from serve_app.backends.null import ENGINE_THREAD_NAME
 
 # Ray Serve's throughput settings, read by every Serve process at start: `RAY_SERVE_THROUGHPUT_OPTIMIZED=1`
 # runs user code and the handle's router on the replica's event loop, sends handle calls by value over
@@ -62,7 +62,7 @@ def profile_env(profile: str) -> dict[str, str]:
 
 def null_app_args(model: str, variant: PathVariant, step_time_s: float, max_num_seqs: int) -> dict[str, Any]:
     """One null-engine LLMServer replica, sized for the sweep."""
-    return {"model": model, "backend": "loadtest.null_backend:NullBackend", "engine": {"step_time_s": step_time_s, "max_num_seqs": max_num_seqs},
+    return {"model": model, "backend": "null", "engine": {"step_time_s": step_time_s, "max_num_seqs": max_num_seqs},
             "num_replicas": 1, "num_cpus_per_replica": 0, "max_ongoing_requests": 2 * max_num_seqs, "max_queued_requests": 4 * max_num_seqs,
             "ingress_num_replicas": variant.ingress_replicas, "ingress_num_cpus": 0, "ingress_max_ongoing_requests": 4 * max_num_seqs,
             "stream_batch_interval_s": variant.batch_interval_s, "stream_multiplexing": variant.multiplexed,
