@@ -39,8 +39,7 @@ TARGET_THROUGHPUT_RATIO, TARGET_TTFT_RATIO = 2.5, 0.5  # continuous vs static
 COLORS = {"queued": "#cfcfcf", "prefill": "tab:orange", "decode": "tab:blue"}
 
 
-def log(msg: str) -> None:
-    print(f"[bench-batching {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+log = report.logger("bench-batching")
 
 
 def parse_policy(spec: str) -> tuple[str, str, int]:
@@ -216,7 +215,7 @@ def plots(results: dict[str, Any]) -> dict[str, report.Plot]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = report.Parser(__doc__, "build/bench-batching-quick", "a quarter of the tokens", num_requests=16)
     p.add_argument("--model", default="models/smollm2-135m-instruct")
     p.add_argument("--policies", default=",".join(POLICIES), help="comma-separated, run in order; static:N / dynamic:N: batch size N")
     p.add_argument("--num-requests", type=int, default=96)
@@ -229,8 +228,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for flag, kind, default in (("--seed", int, 0), ("--threads", int, 0), ("--max-num-batched-tokens", int, 2048), ("--kv-cache-gib", float, 1.0),
                                 ("--policy-timeout-s", float, 300.0)):
         p.add_argument(flag, type=kind, default=default)
-    p.add_argument("--out-dir", help="default reports/ (build/bench-batching-quick/ with --quick)")
-    p.add_argument("--quick", action="store_true", help="smoke run: 16 requests, a quarter of the tokens")
     args = p.parse_args(argv)
     args.policies = [x.strip() for x in args.policies.split(",") if x.strip()]
     for spec in args.policies:
@@ -238,8 +235,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parse_policy(spec)
         except ValueError as exc:
             p.error(str(exc))
-    args.num_requests = 16 if args.quick else args.num_requests
-    args.out_dir = Path(args.out_dir or ("build/bench-batching-quick" if args.quick else "reports"))
     return args
 
 

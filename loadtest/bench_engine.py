@@ -24,10 +24,7 @@ from loadtest.worker import Worker, WorkerError
 W1 = {"num_requests": 64, "prompt_len": 128, "output_len": 128, "repeats": 3}
 QUICK = {"num_requests": 8, "prompt_len": 32, "output_len": 16, "repeats": 2}
 TARGET_RATIO = 3.0  # native >= 3x HF static output tok/s
-
-
-def log(msg: str) -> None:
-    print(f"[bench-engine {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+log = report.logger("bench-engine")
 
 
 def make_prompts(num_requests: int, prompt_len: int, vocab_size: int, min_token_id: int, seed: int) -> list[list[int]]:
@@ -108,12 +105,12 @@ def plot(results: dict[str, Any]) -> report.Plot:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = report.Parser(__doc__, "build/bench-quick", **QUICK)
     p.add_argument("--model", default="models/smollm2-135m-instruct")
     p.add_argument("--engines", default="native,hf,vllm", help="comma-separated, from: " + ", ".join(engines.ENGINES))
     p.add_argument("--baseline", default="hf", help="engine the ratios divide by")
-    for key in W1:
-        p.add_argument(f"--{key.replace('_', '-')}", type=int, help=f"default {W1[key]} (--quick: {QUICK[key]})")
+    for key, value in W1.items():
+        p.add_argument(f"--{key.replace('_', '-')}", type=int, default=value)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--min-token-id", type=int, default=100, help="lowest prompt token id (skips special tokens)")
     p.add_argument("--device", default="cpu")
@@ -122,13 +119,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 ("--kv-cache-gib", float, 1.0), ("--threads", int, 0), ("--run-timeout-s", float, 3600.0)):
         p.add_argument(flag, type=kind, default=default)
     p.add_argument("--vllm-enforce-eager", action="store_true", help="vLLM without torch.compile (starts faster)")
-    p.add_argument("--out-dir", help="default reports/ (build/bench-quick/ with --quick)")
-    p.add_argument("--quick", action="store_true", help="tiny smoke run: 8 requests x 32 x 16 tokens, 2 repeats")
     args = p.parse_args(argv)
-    for key, value in (QUICK if args.quick else W1).items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
-    args.out_dir = args.out_dir or ("build/bench-quick" if args.quick else "reports")
     unknown = [n for n in args.engines.split(",") if n not in engines.ENGINES]
     if unknown or min(args.repeats, args.num_requests, args.prompt_len, args.output_len, args.hf_batch_size) < 1:
         p.error(f"unknown engines {unknown}, or a count below 1")

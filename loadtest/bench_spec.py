@@ -29,6 +29,7 @@ SETTINGS: dict[str, tuple[str, dict[str, Any] | None]] = {
     "vLLM off": ("vllm", None), "vLLM ngram k=4": ("vllm", {"method": "ngram", "k": 4, "max_k": 4, "ngram_min": 2, "ngram_max": 4}),
 }
 BASELINE = {"native": "native off", "vllm": "vLLM off"}
+log = report.logger("bench-spec")
 REQUESTS_PER_LEVEL, QUICK_REQUESTS = {1: 4, 4: 8, 16: 16, 64: 64}, {1: 2, 4: 4, 16: 16, 64: 32}
 SENTENCES = [
     "The old lighthouse keeper climbed the spiral stairs every evening at dusk.", "He lit the great lamp and wrote the names of passing ships in a leather notebook.",
@@ -213,24 +214,20 @@ def body(results: dict[str, Any]) -> list[str]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = report.Parser(__doc__, "build/bench-spec-quick", "fewer requests per level", concurrency="1,16", repeats=1, max_tokens=64)
     p.add_argument("--model", default="models/smollm2-135m-instruct")
     p.add_argument("--settings", default=",".join(SETTINGS), help="comma-separated, from: " + ", ".join(SETTINGS))
     p.add_argument("--workloads", default="grounded,open")
-    p.add_argument("--concurrency", help="comma-separated levels (default 1,4,16,64; --quick 1,16)")
-    p.add_argument("--repeats", type=int, help="default 2 (--quick: 1)")
-    p.add_argument("--max-tokens", type=int, help="default 96 (--quick: 64)")
+    p.add_argument("--concurrency", default="1,4,16,64", help="comma-separated levels")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--max-tokens", type=int, default=96)
     # float32: outputs are then token-identical with and without speculation; in bfloat16 a verification's
     # multi-row matmuls round differently from single-row decodes, which flips near-ties (vLLM's too)
     p.add_argument("--dtype", default="float32", choices=("bfloat16", "float32"))
     p.add_argument("--threads", type=int, default=1, help="OpenMP threads per engine (1: robust on a shared machine)")
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--out-dir", help="default reports/ (build/bench-spec-quick/ with --quick)")
     p.add_argument("--setting-timeout-s", type=float, default=1800.0)
     args = p.parse_args(argv)
-    args.concurrency = [int(c) for c in (args.concurrency or ("1,16" if args.quick else "1,4,16,64")).split(",")]
-    args.repeats, args.max_tokens = args.repeats or (1 if args.quick else 2), args.max_tokens or (64 if args.quick else 96)
-    args.out_dir = args.out_dir or ("build/bench-spec-quick" if args.quick else "reports")
+    args.concurrency = [int(c) for c in args.concurrency.split(",")]
     args.settings = args.settings.split(",")
     if unknown := [s for s in args.settings if s not in SETTINGS]:
         p.error(f"unknown setting {unknown[0]!r}")
@@ -258,8 +255,8 @@ def main(argv: list[str] | None = None) -> int:
                         for setting in interleaved(group, repeat):
                             r = worker.call("run", setting, workload, c, table_.get(c, max(c, 4)))
                             runs.append({"setting": setting, "workload": workload, "concurrency": c, "repeat": repeat, **r})
-                            print(f"[bench-spec] {setting}: {workload} c={c} #{repeat}: {r['num_tokens'] / r['elapsed_s']:.1f} tok/s, accepted "
-                                  f"{r['accepted']:.0f}/{r['proposed']:.0f}", file=sys.stderr, flush=True)
+                            log(f"{setting}: {workload} c={c} #{repeat}: {r['num_tokens'] / r['elapsed_s']:.1f} tok/s, accepted "
+                                f"{r['accepted']:.0f}/{r['proposed']:.0f}")
         except WorkerError as exc:
             results["notes"][", ".join(group)] = str(exc).splitlines()[0]
         finally:

@@ -6,7 +6,6 @@ beside its memory floor (every weight once plus the batch's K/V over the copy ba
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 
@@ -54,7 +53,7 @@ def decode_batch(b: int, context: int, block_size: int) -> SchedulerOutput:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = report.Parser(__doc__, "build/decode-sweep-quick", batch_sizes="1,4,16", steps=5, context=64)
     p.add_argument("--model", default="models/smollm2-135m-instruct")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="bfloat16")
@@ -64,11 +63,7 @@ def main() -> int:
     p.add_argument("--block-size", type=int, default=16, help="KV block size (tokens)")
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--enforce-eager", action="store_true", help="CUDA: no graphs")
-    p.add_argument("--out-dir", help="default reports/ (build/decode-sweep-quick/ with --quick)")
-    p.add_argument("--quick", action="store_true", help="batch 1, 4, 16; 5 steps; context 64")
     args = p.parse_args()
-    if args.quick:
-        args.batch_sizes, args.steps, args.context = "1,4,16", 5, 64
     sizes, device = [int(b) for b in args.batch_sizes.split(",")], torch.device(args.device)
     results = report.start("decode_sweep", args.device)
     cfg = EngineConfig.from_kwargs(args.model, dtype=args.dtype, device=args.device, attention_backend=args.attention_backend,
@@ -94,7 +89,7 @@ def main() -> int:
                                 "floor_ms": floor_s * 1e3, "tok_s": b / med, "of_floor": floor_s / med})
         print(f"[sweep] batch {b:4d}: step {med * 1e3:8.3f} ms (floor {floor_s * 1e3:7.3f} ms), {b / med:9.0f} tok/s", flush=True)
 
-    report.write(results, args.out_dir or ("build/decode-sweep-quick" if args.quick else "reports"), "decode_sweep", "Decode-step latency sweep", [
+    report.write(results, args.out_dir, "decode_sweep", "Decode-step latency sweep", [
         f"{results['device']}, {args.dtype}, attention `{runner.backend}`{', CUDA graphs' if results['cuda_graphs'] else ''}; KV blocks of "
         f"{args.block_size} tokens; context {args.context} tokens per request; median of {args.steps} steps (p10-p90). Floor: (weights "
         f"{w_bytes / 2**20:.0f} MiB + the batch's K/V) / measured copy bandwidth {bandwidth / 1e9:.0f} GB/s.", ""] + table(
