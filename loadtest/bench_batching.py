@@ -56,7 +56,7 @@ def engine_kwargs(args: argparse.Namespace, batching: str, batch_size: int = 0) 
                               "max_num_batched_tokens": args.max_num_batched_tokens, "kv_cache_memory_gib": args.kv_cache_gib,
                               "enable_prefix_caching": False}  # random prompts share nothing: keep every policy's work identical
     if batching != "continuous":
-        kwargs.update(batch_size=batch_size or args.batch_size or args.max_num_seqs,
+        kwargs.update(batch_size=batch_size or args.max_num_seqs,
                       batch_timeout_s=args.static_timeout_s if batching == "static" else 0.0)
     return kwargs
 
@@ -223,7 +223,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--load", type=float, default=1.5, help="arrival rate as a multiple of the calibrated capacity")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--max-num-seqs", type=int, default=32, help="the batch cap, every policy")
-    p.add_argument("--batch-size", type=int, default=0, help="static/dynamic batch size (0: --max-num-seqs)")
     p.add_argument("--static-timeout-s", type=float, default=2.0, help="static: the longest wait for a full batch")
     for flag, kind, default in (("--seed", int, 0), ("--threads", int, 0), ("--max-num-batched-tokens", int, 2048), ("--kv-cache-gib", float, 1.0),
                                 ("--policy-timeout-s", float, 300.0)):

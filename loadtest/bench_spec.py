@@ -22,6 +22,7 @@ from loadtest.engines import vllm_cpu_env
 from loadtest.report import num, table
 from loadtest.stats import interleaved, percentile
 from loadtest.worker import Worker, WorkerError
+from tests.recording_logger import RecordingLogger
 
 SETTINGS: dict[str, tuple[str, dict[str, Any] | None]] = {
     "native off": ("native", None), "native k=2": ("native", {"method": "ngram", "k": 2, "max_k": 4}),
@@ -84,7 +85,7 @@ class SpecEngines:
         from transformers import AutoTokenizer
 
         torch.set_num_threads(opts["threads"])
-        self.opts, self.tokenizer, self.stats, self.engines = opts, AutoTokenizer.from_pretrained(opts["model"]), [], {}
+        self.opts, self.tokenizer, self.recorder, self.engines = opts, AutoTokenizer.from_pretrained(opts["model"]), RecordingLogger(), {}
         for setting in opts["settings"]:
             kind, spec = SETTINGS[setting]
             self.engines[setting] = self._native(spec) if kind == "native" else self._vllm(spec)
@@ -93,7 +94,7 @@ class SpecEngines:
     def _native(self, spec: dict[str, Any] | None):
         from serve_app.engine import LLM
 
-        return LLM(self.opts["model"], stat_loggers=[self], dtype=self.opts["dtype"], max_num_seqs=64, kv_cache_memory_gib=0.75, speculative=spec)
+        return LLM(self.opts["model"], stat_loggers=[self.recorder], dtype=self.opts["dtype"], max_num_seqs=64, kv_cache_memory_gib=0.75, speculative=spec)
 
     def _vllm(self, spec: dict[str, Any] | None):
         vllm_cpu_env(1)
@@ -106,10 +107,6 @@ class SpecEngines:
         config = VLLMOptions(speculative=spec).async_engine_args("m", "m").get("speculative_config")
         return LLM(model=self.opts["model"], dtype=self.opts["dtype"], seed=0, max_num_seqs=64, enforce_eager=True, disable_log_stats=False,
                    speculative_config=config)
-
-    def record(self, stats, finished) -> None:  # the native engines' stat logger
-        if stats is not None:
-            self.stats.append(stats)
 
     def _vllm_counters(self, llm) -> list[float]:
         names = ("vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens", "vllm:spec_decode_num_drafts")
@@ -126,7 +123,7 @@ class SpecEngines:
             from serve_app.types import GenerateRequest, SamplingParams
 
             engine, params = llm.engine, SamplingParams(temperature=0.0, max_tokens=self.opts["max_tokens"])
-            self.stats.clear()
+            self.recorder.steps.clear()
 
             def step() -> list[tuple[str, int, bool]]:
                 for o in (outs := engine.step()):
@@ -134,8 +131,9 @@ class SpecEngines:
                 return [(o.request_id, len(tokens[o.request_id]), o.finished) for o in outs]
 
             result = closed_loop(prompts, concurrency, lambda rid, p: engine.add_request(GenerateRequest(rid, prompt=p, sampling_params=params)), step)
-            result.update(proposed=sum(s.spec_num_proposed for s in self.stats), accepted=sum(s.spec_num_accepted for s in self.stats),
-                          candidates=sum(s.spec_num_candidates for s in self.stats))
+            steps = self.recorder.steps
+            result.update(proposed=sum(s.spec_num_proposed for s in steps), accepted=sum(s.spec_num_accepted for s in steps),
+                          candidates=sum(s.spec_num_candidates for s in steps))
         else:
             from vllm import SamplingParams
 

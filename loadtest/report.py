@@ -51,15 +51,10 @@ def logger(tag: str) -> Callable[[str], None]:
     return lambda msg: print(f"[{tag} {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def command_line(module: str, argv: Sequence[str] | None = None) -> str:
-    """How to run this again from the repository root."""
-    return shlex.join([".venv/bin/python", "-m", f"loadtest.{module}", *(sys.argv[1:] if argv is None else argv)])
-
-
 def start(module: str, device: str = "cpu") -> dict[str, Any]:
-    """The header facts, taken before anything runs."""
-    return {"command": command_line(module), "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-            "machine": machine.facts(device), "started": time.monotonic()}
+    """The header facts, taken before anything runs; `command`: how to run this again from the repository root."""
+    return {"command": shlex.join([".venv/bin/python", "-m", f"loadtest.{module}", *sys.argv[1:]]),
+            "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "machine": machine.facts(device), "started": time.monotonic()}
 
 
 def cell(s: dict[str, float] | None, scale: float = 1.0, digits: int = 1) -> str:

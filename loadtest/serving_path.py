@@ -9,7 +9,6 @@ and the gaps between a stream's reads (ITL).
 from __future__ import annotations
 
 import itertools
-import socket
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +17,7 @@ from loadtest.client import burst
 from loadtest.report import table
 from loadtest.stats import percentile
 from serve_app.backends.null import ENGINE_THREAD_NAME
+from serve_app.metrics.local_stack import free_port
 
 # Ray Serve's throughput settings, read by every Serve process at start: `RAY_SERVE_THROUGHPUT_OPTIMIZED=1`
 # runs user code and the handle's router on the replica's event loop, sends handle calls by value over
@@ -52,9 +52,7 @@ def profile_env(profile: str) -> dict[str, str]:
         from serve_app.serving.haproxy_env import haproxy_env
 
         return {**haproxy_env(), "RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY": "1"}
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        http = s.getsockname()[1]
+    http = free_port()
     return {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
             "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(http), "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(http + 4),
             "RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT": str(http + 5), "RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT": str(http + 9)}

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ from typing import Any
 import pytest
 
 from loadtest.server import serve_replicas
+from serve_app.metrics.local_stack import free_port
 from tests.polling import wait_for  # noqa: F401 (also re-exported to test modules)
 from tests.ray_start import init_local_ray
 
@@ -36,12 +36,6 @@ REPO = Path(__file__).resolve().parents[2]
 MODEL_DIR = REPO / "models" / "smollm2-135m-instruct"
 MODEL_NAME = "smollm2-135m-instruct"
 APP_NAME = "llm"
-
-
-def free_port() -> int:
-    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")
