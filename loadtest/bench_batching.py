@@ -215,8 +215,7 @@ def plots(results: dict[str, Any]) -> dict[str, report.Plot]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = report.Parser(__doc__, "build/bench-batching-quick", "a quarter of the tokens", num_requests=16)
-    p.add_argument("--model", default="models/smollm2-135m-instruct")
+    p = report.Parser(__doc__, "build/bench-batching-quick", "a quarter of the tokens", model=True, num_requests=16)
     p.add_argument("--policies", default=",".join(POLICIES), help="comma-separated, run in order; static:N / dynamic:N: batch size N")
     p.add_argument("--num-requests", type=int, default=96)
     p.add_argument("--rate", type=float, help="Poisson arrivals per second (default: --load x the capacity calibrated first)")

@@ -212,8 +212,8 @@ def body(results: dict[str, Any]) -> list[str]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = report.Parser(__doc__, "build/bench-spec-quick", "fewer requests per level", concurrency="1,16", repeats=1, max_tokens=64)
-    p.add_argument("--model", default="models/smollm2-135m-instruct")
+    p = report.Parser(__doc__, "build/bench-spec-quick", "fewer requests per level", model=True, concurrency="1,16", repeats=1,
+                      max_tokens=64)
     p.add_argument("--settings", default=",".join(SETTINGS), help="comma-separated, from: " + ", ".join(SETTINGS))
     p.add_argument("--workloads", default="grounded,open")
     p.add_argument("--concurrency", default="1,4,16,64", help="comma-separated levels")
@@ -223,7 +223,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # multi-row matmuls round differently from single-row decodes, which flips near-ties (vLLM's too)
     p.add_argument("--dtype", default="float32", choices=("bfloat16", "float32"))
     p.add_argument("--threads", type=int, default=1, help="OpenMP threads per engine (1: robust on a shared machine)")
-    p.add_argument("--setting-timeout-s", type=float, default=1800.0)
     args = p.parse_args(argv)
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     args.settings = args.settings.split(",")
@@ -246,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         worker = None
         try:
-            worker = Worker("loadtest.bench_spec:SpecEngines", {**opts, "settings": group}, args.setting_timeout_s)
+            worker = Worker("loadtest.bench_spec:SpecEngines", {**opts, "settings": group}, 1800.0)
             for workload in args.workloads.split(","):
                 for c in args.concurrency:
                     for repeat in range(args.repeats):

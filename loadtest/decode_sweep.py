@@ -49,8 +49,7 @@ def decode_batch(b: int, context: int, block_size: int) -> SchedulerOutput:
 
 
 def main() -> int:
-    p = report.Parser(__doc__, "build/decode-sweep-quick", batch_sizes="1,4,16", steps=5, context=64)
-    p.add_argument("--model", default="models/smollm2-135m-instruct")
+    p = report.Parser(__doc__, "build/decode-sweep-quick", model=True, batch_sizes="1,4,16", steps=5, context=64)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--batch-sizes", default="1,2,4,8,16,32,64,128,256")

@@ -28,12 +28,15 @@ class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpF
 class Parser(argparse.ArgumentParser):
     """A benchmark's command line: its module docstring as help, `--out-dir` (default reports) and, with
     `quick_dir`, `--quick`: a smoke run into `quick_dir` with the `quick` option values (where an option
-    is left at its default); `quick_note`: what else the smoke run changes."""
+    is left at its default); `quick_note`: what else the smoke run changes; `model`: with `--model` (the
+    repository's model by default)."""
 
-    def __init__(self, doc: str | None, quick_dir: str = "", quick_note: str = "", **quick: Any) -> None:
+    def __init__(self, doc: str | None, quick_dir: str = "", quick_note: str = "", model: bool = False, **quick: Any) -> None:
         super().__init__(description=doc, formatter_class=_Help)
         self.quick = {"out_dir": quick_dir, **quick} if quick_dir else {}
         self.add_argument("--out-dir", default="reports", help="where the report goes")
+        if model:
+            self.add_argument("--model", default="models/smollm2-135m-instruct", help="the model directory")
         if quick_dir:
             changes = [f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}" for k, v in self.quick.items()]
             self.add_argument("--quick", action="store_true", help="smoke run: " + ", ".join(changes + ([quick_note] if quick_note else [])))
