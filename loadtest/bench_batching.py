@@ -262,8 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     trace = build_trace(args.rate)
     results["workload"] = {**describe_trace(trace), "rate_per_s": args.rate, "seed": args.seed, "calibration": calibration,
                            "requests": [[r.arrival_s, r.prompt_len, r.output_len] for r in trace]}  # the makespan bound's input
-    results["settings"] = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-    results["settings"]["torch_threads"] = torch.get_num_threads()
+    results["settings"] = {**vars(args), "torch_threads": torch.get_num_threads()}
     results["policies"] = {}
     for spec in args.policies:
         gc.collect()

@@ -9,16 +9,14 @@ speculation. Speedup over the same engine without speculation, TPOT, acceptance,
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import random
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from loadtest import report
-from loadtest.engines import vllm_cpu_env
+from loadtest.engines import skip_reason, vllm_cpu_env
 from loadtest.report import num, table
 from loadtest.stats import interleaved, percentile
 from loadtest.worker import Worker, WorkerError
@@ -240,8 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     runs, results["notes"] = [], {}
     results["options"] = {**opts, "model": args.model, "workloads": args.workloads, "concurrency": args.concurrency, "repeats": args.repeats}
     for group in filter(None, [[s for s in args.settings if SETTINGS[s][0] == "native"], *([s] for s in args.settings if SETTINGS[s][0] == "vllm")]):
-        if SETTINGS[group[0]][0] == "vllm" and importlib.util.find_spec("vllm") is None:
-            results["notes"][group[0]] = "vllm is not installed (make install-vllm)"
+        if SETTINGS[group[0]][0] == "vllm" and (reason := skip_reason("vllm")):
+            results["notes"][group[0]] = reason
             continue
         worker = None
         try:
@@ -271,4 +269,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

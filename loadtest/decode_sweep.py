@@ -6,7 +6,6 @@ beside its memory floor (every weight once plus the batch's K/V over the copy ba
 
 from __future__ import annotations
 
-import sys
 import time
 
 import torch
@@ -100,4 +99,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

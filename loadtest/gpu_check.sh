@@ -37,11 +37,6 @@ budget() {
 has_cuda() {  # (any torch for a dry run on the CPU)
     "$1" -c "import sys, torch; sys.exit(0 if '$DEVICE' == 'cpu' or torch.cuda.is_available() else 1)" >/dev/null 2>&1
 }
-# whether pip's index answers (offline, each pip call of `make install` fails only after minutes of retries)
-online() {
-    timeout 15 "$SYS_PY" -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=5)' \
-        "${PIP_INDEX_URL:-https://pypi.org/simple/}" >/dev/null 2>&1
-}
 
 # ---- 0. the machine; 1. a Python with a CUDA torch: $VENV's (default .venv-gpu; never .venv, the CPU venv);
 # else the system python ($PYTHON) with PYTHONPATH=. when it has what the tests import (a GPU machine without
@@ -54,8 +49,9 @@ if [[ -x "$VENV/bin/python" ]] && has_cuda "$VENV/bin/python"; then
 elif has_cuda "$SYS_PY" && "$SYS_PY" -c 'import torch, transformers, safetensors, tokenizers, jinja2, numpy, pytest' >/dev/null 2>&1; then
     PY="$SYS_PY"
     export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-else
-    online || die "no usable CUDA torch here ($VENV, $SYS_PY) and no network to install one"
+else  # pip's index must answer: offline, each pip call of `make install` fails only after minutes of retries
+    timeout 15 "$SYS_PY" -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=5)' "${PIP_INDEX_URL:-https://pypi.org/simple/}" \
+        >/dev/null 2>&1 || die "no usable CUDA torch here ($VENV, $SYS_PY) and no network to install one"
     timeout "$(budget 300 300)" make install VENV="$VENV" >>"$LOG" 2>&1 || die "make install failed (see $LOG)"
     if ! has_cuda "$VENV/bin/python" && [[ -n "${TORCH_CUDA_INDEX_URL:-}" ]]; then
         timeout "$(budget 240 300)" "$VENV/bin/pip" install -q --force-reinstall --no-deps torch==2.13.0 \

@@ -136,9 +136,6 @@ class OpenAIStreamingUser(FastHttpUser):
                 "stream_options": {"include_usage": True}, **({"ignore_eos": True} if opts.ignore_eos else {})}
         return {**body, **({"messages": list(request.messages)} if api == "chat" else {"prompt": request.prompt})}
 
-    def fire_metric(self, name: str, value: float) -> None:
-        self.environment.events.request.fire(request_type="LLM", name=name, response_time=value, response_length=0, exception=None, context={})
-
     @task
     def stream(self) -> None:
         lag_s, request = self._pause(), self.workload.next_request()
@@ -174,7 +171,8 @@ class OpenAIStreamingUser(FastHttpUser):
         if ok:
             for metric, value in (("ttft_ms", ttft_s), ("tpot_ms", tpot_s), ("e2e_ms", result.end), ("output_tokens", result.tokens)):
                 if value is not None:
-                    self.fire_metric(metric, value * (1000 if metric.endswith("_ms") else 1))
+                    self.environment.events.request.fire(request_type="LLM", name=metric, response_time=value * (1000 if metric.endswith("_ms") else 1),
+                                                         response_length=0, exception=None, context={})
         self.workload.record_reply("".join(result.text) if ok else "")
         if not ok and STATE.arrivals is None:
             time.sleep(FAILURE_BACKOFF_S)  # closed loop: no hot loop against a server that is down
