@@ -32,14 +32,14 @@ from loadtest.batching_model import (
     timeline_segments,
 )
 from loadtest.report import num, table
+from tests.recording_logger import RecordingLogger
 
 POLICIES = ("static", "dynamic", "continuous")
 TARGET_THROUGHPUT_RATIO, TARGET_TTFT_RATIO = 2.5, 0.5  # continuous vs static
 COLORS = {"queued": "#cfcfcf", "prefill": "tab:orange", "decode": "tab:blue"}
 
 
-def log(msg: str) -> None:
-    print(f"[bench-batching {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+log = report.logger("bench-batching")
 
 
 def parse_policy(spec: str) -> tuple[str, str, int]:
@@ -56,7 +56,7 @@ def engine_kwargs(args: argparse.Namespace, batching: str, batch_size: int = 0) 
                               "max_num_batched_tokens": args.max_num_batched_tokens, "kv_cache_memory_gib": args.kv_cache_gib,
                               "enable_prefix_caching": False}  # random prompts share nothing: keep every policy's work identical
     if batching != "continuous":
-        kwargs.update(batch_size=batch_size or args.batch_size or args.max_num_seqs,
+        kwargs.update(batch_size=batch_size or args.max_num_seqs,
                       batch_timeout_s=args.static_timeout_s if batching == "static" else 0.0)
     return kwargs
 
@@ -93,22 +93,11 @@ async def _replay(engine, trace: list[TraceRequest], policy: str, timeout_s: flo
     return results, t0, not pending, max(lags, default=0.0)
 
 
-class StepRecorder:
-    """Stat logger keeping every step's stats (called from the engine thread)."""
-
-    def __init__(self) -> None:
-        self.steps: list = []
-
-    def record(self, scheduler_stats, finished) -> None:
-        if scheduler_stats is not None:
-            self.steps.append(scheduler_stats)
-
-
 def run_policy(args: argparse.Namespace, spec: str, trace: list[TraceRequest]) -> dict[str, Any]:
     from serve_app.engine.async_engine import AsyncLLMEngine
 
     policy, batching, batch_size = parse_policy(spec)
-    recorder, kwargs = StepRecorder(), engine_kwargs(args, batching, batch_size)
+    recorder, kwargs = RecordingLogger(), engine_kwargs(args, batching, batch_size)
     engine = AsyncLLMEngine.from_kwargs(args.model, stat_loggers=[recorder], **kwargs)
     loop = asyncio.new_event_loop()
     try:  # warm-up (kernels, allocator), not measured
@@ -226,21 +215,17 @@ def plots(results: dict[str, Any]) -> dict[str, report.Plot]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="models/smollm2-135m-instruct")
+    p = report.Parser(__doc__, "build/bench-batching-quick", "a quarter of the tokens", model=True, num_requests=16)
     p.add_argument("--policies", default=",".join(POLICIES), help="comma-separated, run in order; static:N / dynamic:N: batch size N")
     p.add_argument("--num-requests", type=int, default=96)
     p.add_argument("--rate", type=float, help="Poisson arrivals per second (default: --load x the capacity calibrated first)")
     p.add_argument("--load", type=float, default=1.5, help="arrival rate as a multiple of the calibrated capacity")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--max-num-seqs", type=int, default=32, help="the batch cap, every policy")
-    p.add_argument("--batch-size", type=int, default=0, help="static/dynamic batch size (0: --max-num-seqs)")
     p.add_argument("--static-timeout-s", type=float, default=2.0, help="static: the longest wait for a full batch")
     for flag, kind, default in (("--seed", int, 0), ("--threads", int, 0), ("--max-num-batched-tokens", int, 2048), ("--kv-cache-gib", float, 1.0),
                                 ("--policy-timeout-s", float, 300.0)):
         p.add_argument(flag, type=kind, default=default)
-    p.add_argument("--out-dir", help="default reports/ (build/bench-batching-quick/ with --quick)")
-    p.add_argument("--quick", action="store_true", help="smoke run: 16 requests, a quarter of the tokens")
     args = p.parse_args(argv)
     args.policies = [x.strip() for x in args.policies.split(",") if x.strip()]
     for spec in args.policies:
@@ -248,8 +233,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parse_policy(spec)
         except ValueError as exc:
             p.error(str(exc))
-    args.num_requests = 16 if args.quick else args.num_requests
-    args.out_dir = Path(args.out_dir or ("build/bench-batching-quick" if args.quick else "reports"))
     return args
 
 
@@ -279,8 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     trace = build_trace(args.rate)
     results["workload"] = {**describe_trace(trace), "rate_per_s": args.rate, "seed": args.seed, "calibration": calibration,
                            "requests": [[r.arrival_s, r.prompt_len, r.output_len] for r in trace]}  # the makespan bound's input
-    results["settings"] = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-    results["settings"]["torch_threads"] = torch.get_num_threads()
+    results["settings"] = {**vars(args), "torch_threads": torch.get_num_threads()}
     results["policies"] = {}
     for spec in args.policies:
         gc.collect()

@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
-import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ from loadtest import report, server
 from loadtest.bench_routing import request_router, two_replicas
 from loadtest.report import num, table
 from loadtest.stats import percentile, ratio
-from tests.replica_probe import PROBE_DIR_ENV, read_probes
+from tests.replica_probe import read_probes
 
 ROUTERS = ("prefix_aware", "kv_aware", "pow2", "round_robin", "ray_prefix")
 WORKLOADS = ("shared", "chat", "hot", "w3", "evict")
@@ -197,7 +196,7 @@ def body(results: dict[str, Any]) -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = report.Parser(__doc__, "build/bench-prefix-quick", seeds=[0], scale=0.75, num_blocks=256, prefix_words=180)
     parser.add_argument("--routers", nargs="+", default=list(ROUTERS), choices=ROUTERS)
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
     # 512 blocks (8k tokens): a few requests in flight use a small part of a replica's cache, as in production, so the
@@ -207,31 +206,21 @@ def main() -> None:
         parser.add_argument(flag, type=kind, default=default, help=help_)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--router-kwargs", default="", help='JSON settings for the KV routers, e.g. \'{"recompute_weight": 2}\'')
-    parser.add_argument("--out-dir")
-    parser.add_argument("--quick", action="store_true", help="one seed, 256-block caches, half-length prefixes, 3/4 of the requests")
     opts = parser.parse_args()
-    if opts.quick:
-        opts.seeds, opts.scale, opts.num_blocks, opts.prefix_words = opts.seeds[:1], 0.75, 256, 180
-    out_dir = Path(opts.out_dir or ("build/bench-prefix-quick" if opts.quick else "reports"))
     from serve_app.input_processor import InputProcessor
 
     tokenizer = InputProcessor(str(server.MODEL), 49152, 8192)  # as the ingress does
     results = report.start("bench_prefix")
     results.update(routers={}, workload={"num_blocks": opts.num_blocks, "seeds": opts.seeds, "scale": opts.scale, "names": opts.workloads,
                                          "prefix_words": opts.prefix_words})
-    probe_dir, loop = Path(tempfile.mkdtemp(prefix="prefix-probes-")), asyncio.new_event_loop()
-    try:
-        with server.ray_started("bench-prefix", {PROBE_DIR_ENV: str(probe_dir)}), server.serve_http():
-            for router in opts.routers:
-                results["routers"][router] = run_router(router, opts, tokenizer, probe_dir, loop)
-                results["targets"] = targets(results)  # after each router: a run cut short still leaves its results
-                paths = report.write(results, out_dir, "prefix_routing", "W4 prefix routing: prefix-aware vs occupancy-only, power of two, "
-                                     "round robin, Ray's PrefixCacheAffinityRouter", body(results), {"prefix_routing": report.bars(
-                    "TTFT p50 by workload and router", "seconds", {w: {r: v["workloads"].get(w, {}).get("ttft_p50_s") for r, v in results["routers"].items()}
-                                                                   for w in opts.workloads})})
-    finally:
-        loop.close()
-        shutil.rmtree(probe_dir, ignore_errors=True)
+    with server.probed("bench-prefix") as probe_dir, contextlib.closing(asyncio.new_event_loop()) as loop:
+        for router in opts.routers:
+            results["routers"][router] = run_router(router, opts, tokenizer, probe_dir, loop)
+            results["targets"] = targets(results)  # after each router: a run cut short still leaves its results
+            paths = report.write(results, opts.out_dir, "prefix_routing", "W4 prefix routing: prefix-aware vs occupancy-only, power of two, "
+                                 "round robin, Ray's PrefixCacheAffinityRouter", body(results), {"prefix_routing": report.bars(
+                "TTFT p50 by workload and router", "seconds", {w: {r: v["workloads"].get(w, {}).get("ttft_p50_s") for r, v in results["routers"].items()}
+                                                               for w in opts.workloads})})
     print(paths[1].read_text())
 
 

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
-import shutil
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -23,7 +22,7 @@ from loadtest import report, server
 from loadtest.report import num, table
 from loadtest.stats import percentile, ratio
 from serve_app.serving.routing_config import ROUTER_CLASSES
-from tests.replica_probe import FACTORY, PROBE_DIR_ENV, read_probes
+from tests.replica_probe import FACTORY, read_probes
 
 ROUTERS = ("pow2", "kv_aware", "round_robin")  # the first deployed calibrates the rate: the baseline
 TRACES = ("skewed", "uniform")
@@ -278,7 +277,7 @@ def write_report(results: dict[str, Any], out_dir: Path, raw_path: Path | None =
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = report.Parser(__doc__, "build/bench-routing-quick", duration=8.0, calibrate_s=12.0, drain_s=60.0, seeds=[0])
     parser.add_argument("--routers", nargs="+", default=list(ROUTERS), choices=ROUTERS)
     for flag, kind, default, help_ in (("--duration", float, 32.0, "seconds of arrivals per trace"), ("--load", float, 0.85, "× the capacity"),
                                        ("--rate", float, None, "arrivals/s (default: --load × the calibrated capacity)"),
@@ -289,29 +288,19 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="one trace per seed, replayed in turn, pooled")
     parser.add_argument("--kv-router-kwargs", nargs="*", default=[], metavar="NAME=VALUE", type=lambda t: (t.partition("=")[0], json.loads(t.partition("=")[2])),
                         help="KVCacheAwareRouter options (routing_config.KVRouterSettings), e.g. prefill_weight=0")
-    parser.add_argument("--out-dir")
-    parser.add_argument("--quick", action="store_true", help="one seed, 8 s traces, 12 s calibration (smoke run)")
-    opts = parser.parse_args()
-    if opts.quick:
-        opts.duration, opts.calibrate_s, opts.drain_s, opts.seeds = 8.0, 12.0, 60.0, opts.seeds[:1]
-    mix, probe_dir = Mix(), Path(tempfile.mkdtemp(prefix="routing-probes-"))
+    opts, mix = parser.parse_args(), Mix()
     results = report.start("bench_routing")
     results.update(mix={**asdict(mix), "mean_prompt": mix.mean_prompt, "mean_output": mix.mean_output}, routers={},
                    workload={"duration_s": opts.duration, "seeds": opts.seeds, "load": opts.load, "num_blocks": opts.num_blocks})
-    loop, rate = asyncio.new_event_loop(), opts.rate
-    try:
-        with server.ray_started("bench-routing", {PROBE_DIR_ENV: str(probe_dir)}), server.serve_http():
-            for router in opts.routers:
-                results["routers"][router], rate = run_router(router, opts, mix, probe_dir, rate, loop)
-                results["workload"]["rate_req_s"] = rate
-                if "calibration" in results["routers"][router]:
-                    results["workload"]["capacity_req_s"] = results["routers"][router]["calibration"]["capacity_req_s"]
-    finally:
-        loop.close()
-        shutil.rmtree(probe_dir, ignore_errors=True)
+    rate = opts.rate
+    with server.probed("bench-routing") as probe_dir, contextlib.closing(asyncio.new_event_loop()) as loop:
+        for router in opts.routers:
+            results["routers"][router], rate = run_router(router, opts, mix, probe_dir, rate, loop)
+            results["workload"]["rate_req_s"] = rate
+            if "calibration" in results["routers"][router]:
+                results["workload"]["capacity_req_s"] = results["routers"][router]["calibration"]["capacity_req_s"]
     results["comparison"] = {name: compare_runs(results["routers"], name) for name in TRACES}
-    quick = "-quick" if opts.quick else ""
-    paths = write_report(results, Path(opts.out_dir or (f"build/bench-routing{quick}" if quick else "reports")), Path(f"build/bench-routing{quick}/raw.json"))
+    paths = write_report(results, Path(opts.out_dir), Path(f"build/bench-routing{'-quick' if opts.quick else ''}/raw.json"))
     print(paths[1].read_text())
 
 

@@ -9,12 +9,12 @@ warm-up to the end (target < 2%) and the fitted bytes per request.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import collections
 import os
 import time
 from pathlib import Path
+from statistics import linear_regression
 from typing import Any
 
 from loadtest import report, server
@@ -26,16 +26,16 @@ TARGET_GROWTH = 0.02
 SETTLE_S = 6.0  # > IdleHeapTrimmer's interval
 
 
+def rss_bytes(pid: int) -> int:
+    status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
+    return int(status["VmRSS"].split()[0]) * 1024
+
+
 def replica_pids() -> dict[str, int]:
     import ray
 
     refs = {name: actor.__ray_call__.remote(lambda _self: os.getpid()) for name, actor in server.serve_replicas(APP).items()}
     return {name: ray.get(ref, timeout=60) for name, ref in refs.items()}
-
-
-def rss_bytes(pid: int) -> int:
-    status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
-    return int(status["VmRSS"].split()[0]) * 1024
 
 
 async def run_round(client: Completions, first: int, count: int, concurrency: int, max_tokens: int) -> collections.Counter:
@@ -50,17 +50,12 @@ async def run_round(client: Completions, first: int, count: int, concurrency: in
     return outcomes
 
 
-def fit_slope(xs: list[float], ys: list[float]) -> float:
-    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    var = sum((x - mx) ** 2 for x in xs)
-    return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var if var else 0.0
-
-
 def summarize(points: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
     after = [p for p in points if p["requests"] >= warmup]
     return {name: {"rss_after_warmup_mib": after[0]["rss"][name] / 2**20, "rss_end_mib": after[-1]["rss"][name] / 2**20,
                    "growth": after[-1]["rss"][name] / after[0]["rss"][name] - 1,
-                   "bytes_per_request": fit_slope([p["requests"] for p in after], [p["rss"][name] for p in after])} for name in points[0]["rss"]}
+                   "bytes_per_request": linear_regression([p["requests"] for p in after], [p["rss"][name] for p in after]).slope
+                   if len(after) > 1 else 0.0} for name in points[0]["rss"]}
 
 
 def body(results: dict[str, Any]) -> list[str]:
@@ -76,18 +71,14 @@ def body(results: dict[str, Any]) -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = report.Parser(__doc__, "build/bench-soak-quick", round_size=60, concurrency=64)
     parser.add_argument("--config", default="configs/local.yaml", help="Serve config whose serving options are used")
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--round-size", type=int, default=300, help="streamed requests per round (the warm-up is one round)")
     parser.add_argument("--rounds", type=int, default=10, help="rounds after the warm-up")
     parser.add_argument("--concurrency", type=int, default=300, help="requests in flight (local.yaml admits 2 x 64 + 128 queued: some 503s)")
     parser.add_argument("--max-tokens", type=int, default=4)
-    parser.add_argument("--quick", action="store_true", help="60-request rounds, into build/bench-soak-quick/")
-    parser.add_argument("--out-dir")
     opts = parser.parse_args()
-    if opts.quick:
-        opts.round_size, opts.concurrency = 60, 64
     args = server.config_args(opts.config, num_replicas=opts.replicas)
     results = report.start("bench_soak")
     results.update({k: getattr(opts, k) for k in ("replicas", "round_size", "rounds", "concurrency", "max_tokens")}, points=[])
@@ -107,7 +98,7 @@ def main() -> None:
                   + ", ".join(f"{n}={v / 2**20:.1f}" for n, v in results["points"][-1]["rss"].items()), flush=True)
         loop.run_until_complete(client.aclose())
     results["summary"] = summarize(results["points"], opts.round_size)
-    paths = report.write(results, opts.out_dir or ("build/bench-soak-quick" if opts.quick else "reports"), "soak",
+    paths = report.write(results, opts.out_dir, "soak",
                          "Soak: LLMServer replica memory under sustained streamed load", body(results), {"soak": report.lines(
                              f"RSS per LLMServer replica (the warm-up ends at {opts.round_size} requests)", "streamed requests sent", "RSS (MiB)",
                              {n: [(p["requests"], p["rss"][n] / 2**20) for p in results["points"]] for n in results["summary"]})})

@@ -9,19 +9,18 @@ speculation. Speedup over the same engine without speculation, TPOT, acceptance,
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import random
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from loadtest import report
-from loadtest.engines import vllm_cpu_env
+from loadtest.engines import skip_reason, vllm_cpu_env
 from loadtest.report import num, table
 from loadtest.stats import interleaved, percentile
 from loadtest.worker import Worker, WorkerError
+from tests.recording_logger import RecordingLogger
 
 SETTINGS: dict[str, tuple[str, dict[str, Any] | None]] = {
     "native off": ("native", None), "native k=2": ("native", {"method": "ngram", "k": 2, "max_k": 4}),
@@ -29,6 +28,7 @@ SETTINGS: dict[str, tuple[str, dict[str, Any] | None]] = {
     "vLLM off": ("vllm", None), "vLLM ngram k=4": ("vllm", {"method": "ngram", "k": 4, "max_k": 4, "ngram_min": 2, "ngram_max": 4}),
 }
 BASELINE = {"native": "native off", "vllm": "vLLM off"}
+log = report.logger("bench-spec")
 REQUESTS_PER_LEVEL, QUICK_REQUESTS = {1: 4, 4: 8, 16: 16, 64: 64}, {1: 2, 4: 4, 16: 16, 64: 32}
 SENTENCES = [
     "The old lighthouse keeper climbed the spiral stairs every evening at dusk.", "He lit the great lamp and wrote the names of passing ships in a leather notebook.",
@@ -83,7 +83,7 @@ class SpecEngines:
         from transformers import AutoTokenizer
 
         torch.set_num_threads(opts["threads"])
-        self.opts, self.tokenizer, self.stats, self.engines = opts, AutoTokenizer.from_pretrained(opts["model"]), [], {}
+        self.opts, self.tokenizer, self.recorder, self.engines = opts, AutoTokenizer.from_pretrained(opts["model"]), RecordingLogger(), {}
         for setting in opts["settings"]:
             kind, spec = SETTINGS[setting]
             self.engines[setting] = self._native(spec) if kind == "native" else self._vllm(spec)
@@ -92,7 +92,7 @@ class SpecEngines:
     def _native(self, spec: dict[str, Any] | None):
         from serve_app.engine import LLM
 
-        return LLM(self.opts["model"], stat_loggers=[self], dtype=self.opts["dtype"], max_num_seqs=64, kv_cache_memory_gib=0.75, speculative=spec)
+        return LLM(self.opts["model"], stat_loggers=[self.recorder], dtype=self.opts["dtype"], max_num_seqs=64, kv_cache_memory_gib=0.75, speculative=spec)
 
     def _vllm(self, spec: dict[str, Any] | None):
         vllm_cpu_env(1)
@@ -105,10 +105,6 @@ class SpecEngines:
         config = VLLMOptions(speculative=spec).async_engine_args("m", "m").get("speculative_config")
         return LLM(model=self.opts["model"], dtype=self.opts["dtype"], seed=0, max_num_seqs=64, enforce_eager=True, disable_log_stats=False,
                    speculative_config=config)
-
-    def record(self, stats, finished) -> None:  # the native engines' stat logger
-        if stats is not None:
-            self.stats.append(stats)
 
     def _vllm_counters(self, llm) -> list[float]:
         names = ("vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens", "vllm:spec_decode_num_drafts")
@@ -125,7 +121,7 @@ class SpecEngines:
             from serve_app.types import GenerateRequest, SamplingParams
 
             engine, params = llm.engine, SamplingParams(temperature=0.0, max_tokens=self.opts["max_tokens"])
-            self.stats.clear()
+            self.recorder.steps.clear()
 
             def step() -> list[tuple[str, int, bool]]:
                 for o in (outs := engine.step()):
@@ -133,8 +129,9 @@ class SpecEngines:
                 return [(o.request_id, len(tokens[o.request_id]), o.finished) for o in outs]
 
             result = closed_loop(prompts, concurrency, lambda rid, p: engine.add_request(GenerateRequest(rid, prompt=p, sampling_params=params)), step)
-            result.update(proposed=sum(s.spec_num_proposed for s in self.stats), accepted=sum(s.spec_num_accepted for s in self.stats),
-                          candidates=sum(s.spec_num_candidates for s in self.stats))
+            steps = self.recorder.steps
+            result.update(proposed=sum(s.spec_num_proposed for s in steps), accepted=sum(s.spec_num_accepted for s in steps),
+                          candidates=sum(s.spec_num_candidates for s in steps))
         else:
             from vllm import SamplingParams
 
@@ -213,24 +210,19 @@ def body(results: dict[str, Any]) -> list[str]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="models/smollm2-135m-instruct")
+    p = report.Parser(__doc__, "build/bench-spec-quick", "fewer requests per level", model=True, concurrency="1,16", repeats=1,
+                      max_tokens=64)
     p.add_argument("--settings", default=",".join(SETTINGS), help="comma-separated, from: " + ", ".join(SETTINGS))
     p.add_argument("--workloads", default="grounded,open")
-    p.add_argument("--concurrency", help="comma-separated levels (default 1,4,16,64; --quick 1,16)")
-    p.add_argument("--repeats", type=int, help="default 2 (--quick: 1)")
-    p.add_argument("--max-tokens", type=int, help="default 96 (--quick: 64)")
+    p.add_argument("--concurrency", default="1,4,16,64", help="comma-separated levels")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--max-tokens", type=int, default=96)
     # float32: outputs are then token-identical with and without speculation; in bfloat16 a verification's
     # multi-row matmuls round differently from single-row decodes, which flips near-ties (vLLM's too)
     p.add_argument("--dtype", default="float32", choices=("bfloat16", "float32"))
     p.add_argument("--threads", type=int, default=1, help="OpenMP threads per engine (1: robust on a shared machine)")
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--out-dir", help="default reports/ (build/bench-spec-quick/ with --quick)")
-    p.add_argument("--setting-timeout-s", type=float, default=1800.0)
     args = p.parse_args(argv)
-    args.concurrency = [int(c) for c in (args.concurrency or ("1,16" if args.quick else "1,4,16,64")).split(",")]
-    args.repeats, args.max_tokens = args.repeats or (1 if args.quick else 2), args.max_tokens or (64 if args.quick else 96)
-    args.out_dir = args.out_dir or ("build/bench-spec-quick" if args.quick else "reports")
+    args.concurrency = [int(c) for c in args.concurrency.split(",")]
     args.settings = args.settings.split(",")
     if unknown := [s for s in args.settings if s not in SETTINGS]:
         p.error(f"unknown setting {unknown[0]!r}")
@@ -246,20 +238,20 @@ def main(argv: list[str] | None = None) -> int:
     runs, results["notes"] = [], {}
     results["options"] = {**opts, "model": args.model, "workloads": args.workloads, "concurrency": args.concurrency, "repeats": args.repeats}
     for group in filter(None, [[s for s in args.settings if SETTINGS[s][0] == "native"], *([s] for s in args.settings if SETTINGS[s][0] == "vllm")]):
-        if SETTINGS[group[0]][0] == "vllm" and importlib.util.find_spec("vllm") is None:
-            results["notes"][group[0]] = "vllm is not installed (make install-vllm)"
+        if SETTINGS[group[0]][0] == "vllm" and (reason := skip_reason("vllm")):
+            results["notes"][group[0]] = reason
             continue
         worker = None
         try:
-            worker = Worker("loadtest.bench_spec:SpecEngines", {**opts, "settings": group}, args.setting_timeout_s)
+            worker = Worker("loadtest.bench_spec:SpecEngines", {**opts, "settings": group}, 1800.0)
             for workload in args.workloads.split(","):
                 for c in args.concurrency:
                     for repeat in range(args.repeats):
                         for setting in interleaved(group, repeat):
                             r = worker.call("run", setting, workload, c, table_.get(c, max(c, 4)))
                             runs.append({"setting": setting, "workload": workload, "concurrency": c, "repeat": repeat, **r})
-                            print(f"[bench-spec] {setting}: {workload} c={c} #{repeat}: {r['num_tokens'] / r['elapsed_s']:.1f} tok/s, accepted "
-                                  f"{r['accepted']:.0f}/{r['proposed']:.0f}", file=sys.stderr, flush=True)
+                            log(f"{setting}: {workload} c={c} #{repeat}: {r['num_tokens'] / r['elapsed_s']:.1f} tok/s, accepted "
+                                f"{r['accepted']:.0f}/{r['proposed']:.0f}")
         except WorkerError as exc:
             results["notes"][", ".join(group)] = str(exc).splitlines()[0]
         finally:
@@ -277,4 +269,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

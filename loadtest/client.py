@@ -39,10 +39,6 @@ class Stream:
         return self.token_times[0] - self.start if self.token_times else None
 
     @property
-    def e2e_s(self) -> float | None:
-        return None if self.end is None else self.end - self.start
-
-    @property
     def tpot_s(self) -> float | None:
         """Mean time per output token after the first."""
         return (self.end - self.token_times[0]) / (self.tokens - 1) if self.token_times and self.end and self.tokens > 1 else None

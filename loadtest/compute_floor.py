@@ -40,6 +40,14 @@ def w1_flops(cfg: dict[str, Any], num_requests: int, prompt_len: int, output_len
     return {"prefill_flops": prefill, "decode_flops": decode}
 
 
+def sync(device: Any) -> None:
+    """Wait for the work queued on `device` (a CUDA device; nothing to wait for elsewhere)."""
+    if str(device).startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize(device)
+
+
 def matmul_rate(cfg: dict[str, Any], rows: int, dtype_name: str, device: str, repeats: int = 5, with_head: bool = True) -> float:
     """FLOP/s of one pass over the model's projection shapes (one layer, + the lm_head when
     `with_head`: decode steps run it on every row, prefill steps on one row per prompt) at `rows` rows."""
@@ -60,19 +68,15 @@ def matmul_rate(cfg: dict[str, Any], rows: int, dtype_name: str, device: str, re
         if kernels is not None:  # and the engine's own kernels where it runs them: the floor takes the faster
             linears["kernels"] = (kernels.linear, [(x, kernels.pack(w)) for x, w in mats])
 
-    def sync() -> None:
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-
     best = float("inf")
     with torch.inference_mode():
         for _ in range(repeats + 1):  # the first pass warms up; implementations alternate
             for linear, packed in linears.values():
-                sync()
+                sync(device)
                 t0 = time.perf_counter()
                 for x, w in packed:
                     linear(x, w)
-                sync()
+                sync(device)
                 best = min(best, time.perf_counter() - t0)
     return flops / best
 

@@ -7,7 +7,6 @@ and token throughput over the run, failures, per request class, the TTFT CDF and
 
 from __future__ import annotations
 
-import argparse
 import glob
 import json
 import math
@@ -115,9 +114,8 @@ def plots(records: list[dict]) -> dict[str, report.Plot]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = report.Parser(__doc__)
     p.add_argument("--records", required=True, help="JSON lines from the locustfile's --records")
-    p.add_argument("--out-dir", default="reports")
     p.add_argument("--title", default="Locust")
     p.add_argument("--command", default="", help="what produced the run (default: this command)")
     p.add_argument("--settings", default="")

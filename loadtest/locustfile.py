@@ -56,11 +56,9 @@ def _add_options(parser) -> None:
     add("--arrival-rate", type=float, default=0.0, env_var="LOCUST_ARRIVAL_RATE", help="open loop: Poisson arrivals/s per process")
     add("--think-time", type=float, default=0.0, env_var="LOCUST_THINK_TIME", help="closed loop: mean pause between requests (s)")
     add("--max-tokens", type=int, default=0, env_var="LOCUST_MAX_TOKENS", help="override the profile's output caps")
-    add("--temperature", type=float, default=0.0, env_var="LOCUST_TEMPERATURE")
     add("--ignore-eos", action="store_true", default=False, env_var="LOCUST_IGNORE_EOS", help="generate exactly max_tokens")
     add("--turns", type=int, default=4, env_var="LOCUST_TURNS", help="shared-prefix: turns per conversation")
     add("--seed", type=int, default=0, env_var="LOCUST_SEED", help="seeds the workload and the arrivals")
-    add("--request-timeout", type=float, default=600.0, env_var="LOCUST_REQUEST_TIMEOUT", help="seconds per read")
     add("--records", default="", env_var="LOCUST_RECORDS", help="JSON lines of per-request results")
 
 
@@ -113,7 +111,7 @@ class OpenAIStreamingUser(FastHttpUser):
     """One simulated client: one streamed request at a time (chat or completions)."""
 
     wait_time = constant(0)  # pauses are taken in the task (think time or the Poisson clock)
-    network_timeout = 600.0
+    network_timeout = 600.0  # s per read
     connection_timeout = 10.0
 
     def on_start(self) -> None:
@@ -121,7 +119,6 @@ class OpenAIStreamingUser(FastHttpUser):
         STATE.user_index += 1
         self.rng = random.Random(STATE.process_seed * 1_000_003 + STATE.user_index)
         self.workload = Workload(opts.workload, self.rng, turns=opts.turns, max_tokens=opts.max_tokens)
-        self.network_timeout = opts.request_timeout
 
     def _pause(self) -> float:
         """Sleep until this user's next request is due; returns how late it is sent (open loop)."""
@@ -135,12 +132,9 @@ class OpenAIStreamingUser(FastHttpUser):
 
     def body(self, request, api: str) -> dict:
         opts = self.environment.parsed_options
-        body = {"model": STATE.model, "max_tokens": request.max_tokens, "temperature": opts.temperature, "stream": True,
+        body = {"model": STATE.model, "max_tokens": request.max_tokens, "temperature": 0.0, "stream": True,
                 "stream_options": {"include_usage": True}, **({"ignore_eos": True} if opts.ignore_eos else {})}
         return {**body, **({"messages": list(request.messages)} if api == "chat" else {"prompt": request.prompt})}
-
-    def fire_metric(self, name: str, value: float) -> None:
-        self.environment.events.request.fire(request_type="LLM", name=name, response_time=value, response_length=0, exception=None, context={})
 
     @task
     def stream(self) -> None:
@@ -177,7 +171,8 @@ class OpenAIStreamingUser(FastHttpUser):
         if ok:
             for metric, value in (("ttft_ms", ttft_s), ("tpot_ms", tpot_s), ("e2e_ms", result.end), ("output_tokens", result.tokens)):
                 if value is not None:
-                    self.fire_metric(metric, value * (1000 if metric.endswith("_ms") else 1))
+                    self.environment.events.request.fire(request_type="LLM", name=metric, response_time=value * (1000 if metric.endswith("_ms") else 1),
+                                                         response_length=0, exception=None, context={})
         self.workload.record_reply("".join(result.text) if ok else "")
         if not ok and STATE.arrivals is None:
             time.sleep(FAILURE_BACKOFF_S)  # closed loop: no hot loop against a server that is down

@@ -1,10 +1,12 @@
 """Every benchmark's report, in one shape: `<name>.json` (everything measured), `<name>.md` (a header — title,
 command, date, machine, load before and after, duration — then the tables) and PNG figures (matplotlib when
-installed; `bars` and `lines` draw the usual ones). `start` takes the header facts, `write` the files.
+installed; `bars` and `lines` draw the usual ones). `start` takes the header facts, `write` the files. And
+what every benchmark's command line shares (`Parser`: `--out-dir`, `--quick`) and its progress lines (`logger`).
 """
 
 from __future__ import annotations
 
+import argparse
 import datetime as dt
 import json
 import shlex
@@ -19,15 +21,43 @@ from loadtest import machine
 Plot = Callable[[Any], Any]  # matplotlib.pyplot → the Figure to save
 
 
-def command_line(module: str, argv: Sequence[str] | None = None) -> str:
-    """How to run this again from the repository root."""
-    return shlex.join([".venv/bin/python", "-m", f"loadtest.{module}", *(sys.argv[1:] if argv is None else argv)])
+class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The docstring as written, every option's default."""
+
+
+class Parser(argparse.ArgumentParser):
+    """A benchmark's command line: its module docstring as help, `--out-dir` (default reports) and, with
+    `quick_dir`, `--quick`: a smoke run into `quick_dir` with the `quick` option values (where an option
+    is left at its default); `quick_note`: what else the smoke run changes; `model`: with `--model` (the
+    repository's model by default)."""
+
+    def __init__(self, doc: str | None, quick_dir: str = "", quick_note: str = "", model: bool = False, **quick: Any) -> None:
+        super().__init__(description=doc, formatter_class=_Help)
+        self.quick = {"out_dir": quick_dir, **quick} if quick_dir else {}
+        self.add_argument("--out-dir", default="reports", help="where the report goes")
+        if model:
+            self.add_argument("--model", default="models/smollm2-135m-instruct", help="the model directory")
+        if quick_dir:
+            changes = [f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}" for k, v in self.quick.items()]
+            self.add_argument("--quick", action="store_true", help="smoke run: " + ", ".join(changes + ([quick_note] if quick_note else [])))
+
+    def parse_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> argparse.Namespace:
+        opts = super().parse_args(args, namespace)
+        for key, value in self.quick.items() if getattr(opts, "quick", False) else ():
+            if getattr(opts, key) == self.get_default(key):
+                setattr(opts, key, value)
+        return opts
+
+
+def logger(tag: str) -> Callable[[str], None]:
+    """A benchmark's progress lines, on stderr: `[tag HH:MM:SS] msg`."""
+    return lambda msg: print(f"[{tag} {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 def start(module: str, device: str = "cpu") -> dict[str, Any]:
-    """The header facts, taken before anything runs."""
-    return {"command": command_line(module), "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-            "machine": machine.facts(device), "started": time.monotonic()}
+    """The header facts, taken before anything runs; `command`: how to run this again from the repository root."""
+    return {"command": shlex.join([".venv/bin/python", "-m", f"loadtest.{module}", *sys.argv[1:]]),
+            "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "machine": machine.facts(device), "started": time.monotonic()}
 
 
 def cell(s: dict[str, float] | None, scale: float = 1.0, digits: int = 1) -> str:

@@ -1,13 +1,9 @@
 #!/usr/bin/env bash
-# `make loadtest`: a bounded, headless Locust run against a running OpenAI-compatible server (by default
-# `make serve` in another terminal), then its report (python -m loadtest.loadtest_report).
-#
-# Writes $OUT/locust_*.csv, $OUT/locust.html (Locust's own report), $OUT/records.jsonl (one line per
-# request), reports/loadtest.{md,json} and reports/loadtest_{ttft_cdf,timeseries}.png. Exit status:
-# Locust's (1 if any request failed). Settings (environment; the Makefile passes its LOADTEST_*):
-# LOADTEST_HOST (http://127.0.0.1:8000), LOADTEST_USERS (8), LOADTEST_SPAWN_RATE (2), LOADTEST_TIME (60s),
-# LOADTEST_WORKLOAD (skewed), LOADTEST_API (mixed), LOADTEST_ARGS (more locustfile/Locust options, e.g.
-# "--arrival-rate 1.5"), LOADTEST_OUT (reports/loadtest), OPENAI_API_KEY (if the server needs a key).
+# `make loadtest` (docs/loadtest.md): a bounded, headless Locust run against a running OpenAI-compatible server
+# (by default `make serve` in another terminal), then its report (python -m loadtest.loadtest_report) →
+# reports/loadtest.{md,json} and reports/loadtest_*.png; Locust's CSV and HTML and the per-request records in
+# $OUT. Settings: the LOADTEST_* variables below (the Makefile passes its own), OPENAI_API_KEY if the server
+# needs a key. Exit status: Locust's (1 if any request failed).
 set -euo pipefail
 
 VENV=${VENV:-.venv}

@@ -10,6 +10,7 @@ import contextlib
 import os
 import shutil
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -59,6 +60,21 @@ def ray_started(namespace: str, env: dict[str, str] | None = None) -> Iterator[N
 
         if STATE_DIR in (env or {}):  # HAProxy's files (serving.haproxy_env: the caller removes them)
             shutil.rmtree(env[STATE_DIR], ignore_errors=True)
+
+
+@contextlib.contextmanager
+def probed(namespace: str) -> Iterator[Path]:
+    """A private Ray with Serve's HTTP proxy whose LLMServer replicas, deployed with the replica probe
+    (tests/replica_probe.py: `FACTORY` in `stat_logger_factories`), write their engine facts into the
+    directory yielded; removed at the end."""
+    from tests.replica_probe import PROBE_DIR_ENV
+
+    probe_dir = Path(tempfile.mkdtemp(prefix=f"{namespace}-probes-"))
+    try:
+        with ray_started(namespace, {PROBE_DIR_ENV: str(probe_dir)}), serve_http():
+            yield probe_dir
+    finally:
+        shutil.rmtree(probe_dir, ignore_errors=True)
 
 
 @contextlib.contextmanager

@@ -1,4 +1,4 @@
-"""The serving path's ceiling: the null engine (loadtest/null_backend.py) behind the real Serve app. A point = a
+"""The serving path's ceiling: the null backend (serve_app/backends/null.py) behind the real Serve app. A point = a
 deployment (ingress replicas, stream batching, multiplexing, profile) × a load (streams × output tokens, all
 started at once). The client reads raw SSE bytes (`Completions.reads`: its own cost small, counted apart).
 Per point: tokens/s carried against what the null engine makes alone; CPU ms per output token per process
@@ -9,15 +9,15 @@ and the gaps between a stream's reads (ITL).
 from __future__ import annotations
 
 import itertools
-import socket
 from dataclasses import dataclass
 from typing import Any
 
 from loadtest import machine, report
 from loadtest.client import burst
-from loadtest.null_backend import ENGINE_THREAD_NAME
 from loadtest.report import table
 from loadtest.stats import percentile
+from serve_app.backends.null import ENGINE_THREAD_NAME
+from serve_app.metrics.local_stack import free_port
 
 # Ray Serve's throughput settings, read by every Serve process at start: `RAY_SERVE_THROUGHPUT_OPTIMIZED=1`
 # runs user code and the handle's router on the replica's event loop, sends handle calls by value over
@@ -52,9 +52,7 @@ def profile_env(profile: str) -> dict[str, str]:
         from serve_app.serving.haproxy_env import haproxy_env
 
         return {**haproxy_env(), "RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY": "1"}
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        http = s.getsockname()[1]
+    http = free_port()
     return {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
             "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(http), "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(http + 4),
             "RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT": str(http + 5), "RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT": str(http + 9)}
@@ -62,7 +60,7 @@ def profile_env(profile: str) -> dict[str, str]:
 
 def null_app_args(model: str, variant: PathVariant, step_time_s: float, max_num_seqs: int) -> dict[str, Any]:
     """One null-engine LLMServer replica, sized for the sweep."""
-    return {"model": model, "backend": "loadtest.null_backend:NullBackend", "engine": {"step_time_s": step_time_s, "max_num_seqs": max_num_seqs},
+    return {"model": model, "backend": "null", "engine": {"step_time_s": step_time_s, "max_num_seqs": max_num_seqs},
             "num_replicas": 1, "num_cpus_per_replica": 0, "max_ongoing_requests": 2 * max_num_seqs, "max_queued_requests": 4 * max_num_seqs,
             "ingress_num_replicas": variant.ingress_replicas, "ingress_num_cpus": 0, "ingress_max_ongoing_requests": 4 * max_num_seqs,
             "stream_batch_interval_s": variant.batch_interval_s, "stream_multiplexing": variant.multiplexed,

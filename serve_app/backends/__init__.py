@@ -3,10 +3,10 @@
 
 The built-in ones are registered in one table, `registry.BACKENDS` (name → class): `native`, this
 repository's engine (backends/native.py); `vllm`, vLLM's V1 async engine (backends/vllm.py; needs
-`make install-vllm`). Neither engine is imported until its backend starts. Any other `Backend`
-subclass plugs in by import path (`backend: "module:Class"`, e.g. the null engine for benchmarks,
-loadtest/null_backend.py). Every one validates its own options (`options_from_kwargs`, where the
-config is loaded) and is built from them in its replica (`from_config`).
+`make install-vllm`); `null`, tokens without a model, for measuring the serving path alone
+(backends/null.py). No engine is imported until its backend starts. Any other `Backend` subclass
+plugs in by import path (`backend: "module:Class"`). Every one validates its own options
+(`options_from_kwargs`, where the config is loaded) and is built from them in its replica (`from_config`).
 """
 
 from serve_app.backends.base import Backend, BackendDeadError, ModelInfo, RoutingStats

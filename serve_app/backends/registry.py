@@ -1,6 +1,6 @@
 """Which `Backend` a name means: one table, `BACKENDS`, for the built-in ones (name → "module:Class");
-any other `Backend` subclass plugs in by its import path (`backend: "module:Class"`, e.g. the
-benchmarks' null engine, loadtest/null_backend.py). Nothing else compares backend names.
+any other `Backend` subclass plugs in by its import path (`backend: "module:Class"`). Nothing else
+compares backend names.
 
 Importing a backend's module loads neither torch nor vllm (each imports its engine in `start()`), so
 its options are validated where the config is loaded (`serve run`'s driver), not in a replica.
@@ -19,6 +19,7 @@ from serve_app.validation import require
 BACKENDS: dict[str, str] = {
     "native": "serve_app.backends.native:NativeBackend",  # this repository's engine
     "vllm": "serve_app.backends.vllm:VLLMBackend",  # vLLM's V1 async engine (needs `make install-vllm`)
+    "null": "serve_app.backends.null:NullBackend",  # tokens without a model: the serving path alone
 }
 
 

@@ -58,6 +58,9 @@ ABORT_WAIT_S = 5.0  # abort() waits at most this long for the engine core's next
 SHUTDOWN_TIMEOUT_S = 15.0
 # vLLM reports usage statistics over the network by default; a replica must not
 NO_USAGE_STATS = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+# our SamplingParams fields that vLLM's take under the same name, with the same meaning and type
+SAME_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos", "skip_special_tokens",
+                        "repetition_penalty", "presence_penalty", "frequency_penalty", "min_tokens", "logprobs")
 
 
 def token_logprobs(token_ids: Sequence[int], logprobs: Any, num_top: int | None) -> tuple[TokenLogprob, ...] | None:
@@ -182,20 +185,9 @@ class VLLMBackend(Backend):
         from vllm.sampling_params import RequestOutputKind
 
         return VSamplingParams(
-            max_tokens=params.max_tokens,
-            temperature=params.temperature,
-            top_p=params.top_p,
-            top_k=params.top_k,
-            seed=params.seed,
+            **{name: getattr(params, name) for name in SAME_SAMPLING_FIELDS},
             stop=list(params.stop),
             stop_token_ids=list(params.stop_token_ids),
-            ignore_eos=params.ignore_eos,
-            skip_special_tokens=params.skip_special_tokens,
-            repetition_penalty=params.repetition_penalty,
-            presence_penalty=params.presence_penalty,
-            frequency_penalty=params.frequency_penalty,
-            min_tokens=params.min_tokens,
-            logprobs=params.logprobs,
             output_kind=RequestOutputKind.DELTA,
             structured_outputs=vllm_structured_outputs(params.structured),
             logit_bias=dict(params.logit_bias) or None,

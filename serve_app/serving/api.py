@@ -30,6 +30,7 @@ import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -292,24 +293,23 @@ def build_fastapi_app(api: OpenAIAPI, api_key: str = "", record: Callable[[str, 
         except Exception as exc:  # noqa: BLE001
             return api.error(exc)
 
-    def salt(body, request: Request) -> str | None:
+    async def generate(handler: Callable[[Any, str | None], Awaitable[Response]], body, request: Request) -> Response:
+        """A generation route: `handler(body, cache salt)`, the salt from the caller's tenant; any
+        failure an OpenAI error body naming the request's own field names."""
         tenant = getattr(request.state, "tenant", None)
         logger.info("%s request from tenant %s", request.url.path.rsplit("/", 1)[-1], tenant or ANONYMOUS)
-        return api.cache_salt(tenant, request.headers.get("authorization"), body.cache_salt)
+        try:
+            return await handler(body, api.cache_salt(tenant, request.headers.get("authorization"), body.cache_salt))
+        except Exception as exc:  # noqa: BLE001
+            return api.error(exc, body.param_aliases())
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        try:
-            return await api.completions(body, salt(body, request))
-        except Exception as exc:  # noqa: BLE001
-            return api.error(exc, body.param_aliases())
+        return await generate(api.completions, body, request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        try:
-            return await api.chat_completions(body, salt(body, request))
-        except Exception as exc:  # noqa: BLE001
-            return api.error(exc, body.param_aliases())
+        return await generate(api.chat_completions, body, request)
 
     if api.keyring is None and api_key:
         api.keyring = Keyring(env_key=api_key)

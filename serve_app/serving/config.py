@@ -34,9 +34,9 @@ class ServeConfig:
     `backend` picks the engine (`backends.registry.BACKENDS`): `native` (this repository's; `engine`
     holds `engine.config.EngineConfig.from_kwargs` names such as `dtype`, `device`, `max_num_seqs`,
     `kv_cache_memory_gib`) or `vllm` (vLLM's V1 async engine; `engine` holds
-    `backends.vllm_options.VLLMOptions` names, validated without importing vllm), or the
-    "module:Class" import path of any other `Backend` subclass (e.g. the benchmarks' null engine,
-    loadtest/null_backend.py), whose `options_from_kwargs(model, engine)` validates `engine`.
+    `backends.vllm_options.VLLMOptions` names, validated without importing vllm) or `null` (tokens
+    without a model, `backends.null.NullEngineOptions`), or the "module:Class" import path of any
+    other `Backend` subclass, whose `options_from_kwargs(model, engine)` validates `engine`.
 
     Capacity: each LLMServer replica holds at most `max_ongoing_requests` requests (they all enter
     its engine, whose scheduler runs `max_num_seqs` of them at once); beyond that each caller queues

@@ -47,7 +47,7 @@ from serve_app.serving.prefix_policy import (
 from serve_app.serving.request_size import estimate_request_blocks, find_request
 from serve_app.serving.router import KVCacheAwareRouter, logger
 from serve_app.serving.routing_config import KVRouterSettings
-from serve_app.serving.routing_policy import rank_replicas
+from serve_app.serving.routing_policy import ReplicaView, rank_replicas
 
 EXPIRE_PER_DECISION = 256  # expiry records one decision may look at (more than one decision ever adds)
 
@@ -138,21 +138,13 @@ class PrefixAwareRouter(KVCacheAwareRouter):
         return max(self.index.num_cached_blocks(replica_id, keys), self.recent.matched_blocks(replica_id, keys),
                    leading_run(keys, self._pending.get(replica_id, frozenset())))
 
-    async def choose_replicas(
-        self,
-        candidate_replicas: list[RunningReplica],
-        pending_request: PendingRequest | None = None,
-    ) -> list[list[RunningReplica]]:
-        if not candidate_replicas:
-            return []
+    def _refresh(self, candidate_replicas: list[RunningReplica], now: float) -> None:
         self._start_sync()
-        now = self._get_curr_time_s()
-        self.ledger.expire(now, self.settings.reservation_ttl_s, self.settings.confirmed_ttl_s)
         self._expire_predictions(now)
         for replica in candidate_replicas:
             self._sync(replica, now)
-        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
-        views = [self._view(r, now) for r in candidate_replicas]
+
+    def _order(self, views: list[ReplicaView], pending_request: PendingRequest | None, now: float) -> list[str]:
         request = find_request(pending_request.args, pending_request.kwargs) if pending_request is not None else None
         keys = self._request_keys(request) if request is not None else None
         if keys is None:  # not a generation with token ids: as the occupancy router
@@ -194,7 +186,7 @@ class PrefixAwareRouter(KVCacheAwareRouter):
             if keys is not None:
                 self.recent.add(order[0], now, keys, internal_id)
                 self._choices.set(internal_id, (request, order[0], cached), now)
-        return [[by_id[replica_id]] for replica_id in order]
+        return order
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult) -> None:
         super().on_request_routed(pending_request, replica_id, result)

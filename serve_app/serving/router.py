@@ -15,8 +15,9 @@
 
 Serve runs a router inside every `DeploymentHandle` (here: in each OpenAIIngress replica), on the
 handle's event loop; every hook below runs on that loop, so the state needs no lock.
-`choose_replicas` never awaits: it ranks from what is already in memory and returns every candidate
-in order (one per rank), so that Serve falls through to the next one when a replica is full.
+`choose_replicas` (`RankingRouter`, shared by all three) never awaits: it ranks from what is already in
+memory and returns every candidate in order (one per rank), so that Serve falls through to the next one
+when a replica is full.
 
 Exported metrics (`serve_app.metrics.router_metrics`): `llm_router_routed_requests_total` and
 `llm_router_stats_age_seconds`, per target replica.
@@ -68,7 +69,48 @@ def _make_metrics(kind: str, model_name: str) -> Any:
         return None
 
 
-class KVCacheAwareRouter(FIFOMixin, RequestRouter):
+class RankingRouter(FIFOMixin, RequestRouter):
+    """What the routers here share: `choose_replicas` returns every candidate, one per rank, in the
+    order `rank` gives (it never awaits); routed requests are counted, and exported when `metrics`."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.metrics: Any = None
+        self.num_routed: Counter[str] = Counter()
+
+    def rank(self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None) -> list[RunningReplica]:
+        """Every candidate (at least one), best first."""
+        raise NotImplementedError
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        if not candidate_replicas:
+            return []
+        return [[r] for r in self.rank(candidate_replicas, pending_request)]
+
+    def _record_routed(self, replica_id: ReplicaID, stats_age_s: float | None = None) -> None:
+        self.num_routed[replica_id.unique_id] += 1
+        if self.metrics is not None:
+            self.metrics.record_routed(replica_id.unique_id, stats_age_s)
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        before = set(self._replicas)
+        super().update_replicas(replicas)
+        after = set(self._replicas)
+        for replica_id in before - after:
+            self._forget(replica_id)
+        if self.metrics is not None:
+            for replica_id in after - before:
+                self.metrics.add_replica(replica_id.unique_id)
+
+    def _forget(self, replica_id: ReplicaID) -> None:
+        """Drop what the router keeps about a replica that left."""
+
+
+class KVCacheAwareRouter(RankingRouter):
     """Ranks replicas by estimated KV occupancy (see `serve_app.serving.routing_policy`).
 
     With `FIFOMixin` (as Serve's own power-of-two router), a replica found for one request goes to
@@ -96,7 +138,7 @@ class KVCacheAwareRouter(FIFOMixin, RequestRouter):
         self._receipts: dict[str, tuple[dict, float]] = {}  # replica → (stats dict, when first seen)
         self._mean_request_blocks = 0.0
         self._num_sized = 0
-        self.num_routed: Counter[str] = Counter()
+        self.num_routed.clear()
         self.num_decisions: Counter[str] = Counter()  # by mode: "kv" / "fallback"
         self.last_ranking: list[ReplicaView] = []
 
@@ -147,17 +189,19 @@ class KVCacheAwareRouter(FIFOMixin, RequestRouter):
         return max(0.0, now - self._sample_time(replica_id.unique_id, stats, sample, now))
 
     # ---- RequestRouter ------------------------------------------------------------------------
-    async def choose_replicas(
-        self,
-        candidate_replicas: list[RunningReplica],
-        pending_request: PendingRequest | None = None,
-    ) -> list[list[RunningReplica]]:
-        if not candidate_replicas:
-            return []
+    def rank(self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None) -> list[RunningReplica]:
         now = self._get_curr_time_s()
         self.ledger.expire(now, self.settings.reservation_ttl_s, self.settings.confirmed_ttl_s)
+        self._refresh(candidate_replicas, now)
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
-        ranked, mode = rank_replicas([self._view(r, now) for r in candidate_replicas], self.settings, self._rng)
+        return [by_id[replica_id] for replica_id in self._order([self._view(r, now) for r in candidate_replicas], pending_request, now)]
+
+    def _refresh(self, candidate_replicas: list[RunningReplica], now: float) -> None:
+        """Bring what the router knows of the candidates up to date before their views are taken."""
+
+    def _order(self, views: list[ReplicaView], pending_request: PendingRequest | None, now: float) -> list[str]:
+        """The replica ids, best first; the request reserved on the first."""
+        ranked, mode = rank_replicas(views, self.settings, self._rng)
         self.num_decisions[mode] += 1
         self.last_ranking = ranked
         if pending_request is not None:
@@ -166,7 +210,7 @@ class KVCacheAwareRouter(FIFOMixin, RequestRouter):
             blocks, prompt_tokens = self._size(pending_request)
             self.ledger.reserve(pending_request.metadata.internal_request_id, ranked[0].replica_id, blocks, now,
                                 pending=pending_request, prompt_tokens=prompt_tokens)
-        return [[by_id[v.replica_id]] for v in ranked]
+        return [v.replica_id for v in ranked]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult) -> None:
         now = self._get_curr_time_s()
@@ -176,22 +220,10 @@ class KVCacheAwareRouter(FIFOMixin, RequestRouter):
         if entry.blocks > 0:
             self._num_sized += 1
             self._mean_request_blocks += (entry.blocks - self._mean_request_blocks) / min(self._num_sized, 100)
-        self.num_routed[replica_id.unique_id] += 1
-        if self.metrics is not None:
-            self.metrics.record_routed(replica_id.unique_id, self._stats_age(replica_id, now))
+        self._record_routed(replica_id, self._stats_age(replica_id, now))
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         self.ledger.complete(internal_request_id, replica_id.unique_id)
-
-    def update_replicas(self, replicas: list[RunningReplica]) -> None:
-        before = set(self._replicas)
-        super().update_replicas(replicas)
-        after = set(self._replicas)
-        for replica_id in before - after:
-            self._forget(replica_id)
-        if self.metrics is not None:
-            for replica_id in after - before:
-                self.metrics.add_replica(replica_id.unique_id)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
@@ -202,40 +234,23 @@ class KVCacheAwareRouter(FIFOMixin, RequestRouter):
         self._receipts.pop(replica_id.unique_id, None)
 
 
-class RoundRobinRouter(FIFOMixin, RequestRouter):
+class RoundRobinRouter(RankingRouter):
     """Each request to the next replica in turn (by replica id); a full replica passes its turn on."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._next = 0
-        self.metrics = None
-        self.num_routed: Counter[str] = Counter()
 
     def initialize_state(self, model_name: str = "", metrics: str = "ray") -> None:
         if metrics not in ("ray", "prometheus", "none"):
             raise ValueError("metrics: must be 'ray', 'prometheus' or 'none'")
         self.metrics = _make_metrics(metrics, model_name)
 
-    async def choose_replicas(
-        self,
-        candidate_replicas: list[RunningReplica],
-        pending_request: PendingRequest | None = None,
-    ) -> list[list[RunningReplica]]:
-        if not candidate_replicas:
-            return []
+    def rank(self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None) -> list[RunningReplica]:
         ordered = sorted(candidate_replicas, key=lambda r: r.replica_id.unique_id)
         start = self._next % len(ordered)
         self._next += 1
-        return [[r] for r in ordered[start:] + ordered[:start]]
+        return ordered[start:] + ordered[:start]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult) -> None:
-        self.num_routed[replica_id.unique_id] += 1
-        if self.metrics is not None:
-            self.metrics.record_routed(replica_id.unique_id)
-
-    def update_replicas(self, replicas: list[RunningReplica]) -> None:
-        before = set(self._replicas)
-        super().update_replicas(replicas)
-        if self.metrics is not None:
-            for replica_id in set(self._replicas) - before:
-                self.metrics.add_replica(replica_id.unique_id)
+        self._record_routed(replica_id)

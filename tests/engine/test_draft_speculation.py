@@ -21,7 +21,7 @@ import torch
 from serve_app.engine import LLM, SamplingParams
 from serve_app.engine.spec_decode.rejection import rejection_sample
 from tests.engine.conftest import MAX_TOKENS
-from tests.engine.test_exact_hf import Collect
+from tests.recording_logger import RecordingLogger
 
 pytestmark = pytest.mark.heavy  # a draft model beside the target, many steps each: make test, not make test-fast
 
@@ -48,7 +48,7 @@ def perturbed_dir(model_dir, tmp_path_factory) -> str:
 
 
 def run(model_dir, prompts, params, spec=None, **kwargs):
-    stats = Collect()
+    stats = RecordingLogger()
     llm = LLM(model_dir, dtype="float32", stat_loggers=[stats], speculative=spec, **kwargs)
     outs = llm.generate(prompts, params)
     core = llm.engine.core
@@ -96,7 +96,7 @@ def test_aborts_mid_speculation_and_preemption_free_both_caches(model_dir, promp
     the target's and the draft's block accounting stay exact and both end empty."""
     from serve_app.types import GenerateRequest
 
-    stats = Collect()
+    stats = RecordingLogger()
     llm = LLM(model_dir, dtype="float32", num_blocks=12, block_size=16, stat_loggers=[stats],
               speculative={"method": "draft", "draft_model": perturbed_dir, "k": 3})
     engine, core = llm.engine, llm.engine.core

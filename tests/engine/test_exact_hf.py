@@ -8,27 +8,15 @@ from serve_app.engine import LLM, SamplingParams
 from serve_app.engine.llm import merge_outputs
 from serve_app.types import GenerateRequest
 from tests.engine.conftest import MAX_TOKENS
+from tests.recording_logger import RecordingLogger
 
 pytestmark = pytest.mark.heavy  # the real model against HF transformers' greedy output: make test, not make test-fast
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
 
 
-class Collect:
-    """A stat logger that keeps everything."""
-
-    def __init__(self) -> None:
-        self.steps = []
-        self.finished = []
-
-    def record(self, stats, finished) -> None:
-        if stats is not None:
-            self.steps.append(stats)
-        self.finished.extend(finished)
-
-
 def run(model_dir, prompts, **kwargs):
-    stats = Collect()
+    stats = RecordingLogger()
     llm = LLM(model_dir, dtype="float32", stat_loggers=[stats], **kwargs)
     outs = llm.generate(prompts, GREEDY)
     llm.engine.core.block_manager.check_integrity()

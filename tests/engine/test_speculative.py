@@ -7,7 +7,7 @@ import pytest
 
 from serve_app.engine import LLM, SamplingParams
 from tests.engine.conftest import MAX_TOKENS
-from tests.engine.test_exact_hf import Collect
+from tests.recording_logger import RecordingLogger
 
 pytestmark = pytest.mark.heavy  # the real model with and without speculation, against HF: make test, not make test-fast
 
@@ -29,7 +29,7 @@ def copy_prompts(tokenizer) -> list[list[int]]:
 
 
 def run(model_dir, prompts, params, spec=None, **kwargs):
-    stats = Collect()
+    stats = RecordingLogger()
     llm = LLM(model_dir, dtype="float32", stat_loggers=[stats], speculative=spec, **kwargs)
     deltas = []
     outs = llm.generate(prompts, params, on_step=lambda step: deltas.extend(len(o.token_ids) for o in step))
@@ -122,7 +122,7 @@ def test_speculation_counters_after_known_traffic(model_dir, copy_prompts):
     """The exported counters equal the engine's own per-step numbers."""
     from serve_app.metrics.loggers import PrometheusStatLogger
 
-    metrics, stats = PrometheusStatLogger("m"), Collect()
+    metrics, stats = PrometheusStatLogger("m"), RecordingLogger()
     llm = LLM(model_dir, dtype="float32", stat_loggers=[metrics, stats], speculative={"method": "ngram", "k": 3})
     llm.generate(copy_prompts[:2], SamplingParams(temperature=0.0, max_tokens=40))
     value = {name: metrics.registry.get_sample_value(name, {"model": "m"}) for name in (

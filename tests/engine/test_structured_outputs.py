@@ -18,6 +18,7 @@ import pytest
 from serve_app.engine import LLM, SamplingParams
 from serve_app.types import FinishReason, StructuredOutput
 from tests.engine import tiny_checkpoints as tc
+from tests.recording_logger import RecordingLogger
 
 PERSON = {"type": "object", "properties": {
     "name": {"type": "string", "minLength": 1, "maxLength": 16},
@@ -137,17 +138,6 @@ def test_compile_failure_aborts_only_that_request(smol, tokenizer):
     assert finished["good"].finish_reason == FinishReason.STOP
 
 
-class Steps:
-    """Every step's stats (speculation counts, preemptions)."""
-
-    def __init__(self) -> None:
-        self.steps = []
-
-    def record(self, scheduler_stats, finished) -> None:
-        if scheduler_stats is not None:
-            self.steps.append(scheduler_stats)
-
-
 def constrained(tokenizer) -> list[tuple[list[int], SamplingParams]]:
     """Greedy and seeded constrained requests (two with consecutive seeds: what the API sends for n=2)."""
     person, scores, phone = CASES[0], CASES[1], CASES[3]
@@ -176,7 +166,7 @@ def test_a_constraint_changes_nothing_but_its_own_request(model_dir, tokenizer):
     """Each constrained request alone without speculation == beside unconstrained neighbours with
     n-gram speculation == again from the prefix cache; the neighbours' tokens are those they get
     without constrained company."""
-    steps = Steps()
+    steps = RecordingLogger()
     llm = LLM(model_dir, dtype="bfloat16", kv_cache_memory_gib=0.05, speculative={"method": "ngram", "k": 3}, stat_loggers=[steps])
     cons, neigh = constrained(tokenizer), neighbours(tokenizer)
     alone = [tokens(llm, [r], speculative=False)[0] for r in cons]

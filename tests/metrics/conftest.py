@@ -4,23 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from serve_app.metrics.stats import SchedulerStats
-from serve_app.types import FinishReason, RequestMetrics
-
-
-class RecordingLogger:
-    """Keeps every call the engine makes: the ground truth the exporters are checked against."""
-
-    def __init__(self) -> None:
-        self.steps: list[SchedulerStats] = []
-        self.finished: list[tuple[FinishReason, RequestMetrics]] = []
-        self.num_calls = 0
-
-    def record(self, scheduler_stats, finished) -> None:
-        self.num_calls += 1
-        if scheduler_stats is not None:
-            self.steps.append(scheduler_stats)
-        self.finished.extend(finished)
+from tests.recording_logger import RecordingLogger
 
 
 @pytest.fixture()

@@ -8,10 +8,10 @@ use that URL. The cluster is shut down at the end of the session (and Serve afte
 from __future__ import annotations
 
 import contextlib
+import json
 import os
-import socket
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from loadtest.server import serve_replicas
+from serve_app.metrics.local_stack import free_port
 from tests.polling import wait_for  # noqa: F401 (also re-exported to test modules)
 from tests.ray_start import init_local_ray
 
@@ -29,17 +30,12 @@ os.environ.setdefault("SERVE_APP_TEST_FAULT_FILE", str(Path(tempfile.gettempdir(
 # environment, inherited from the driver, so it must be set before Ray starts
 API_KEY_ENV = "SERVE_APP_TEST_API_KEY"
 API_KEY = os.environ.setdefault(API_KEY_ENV, "sk-test-3f9c1a")
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL_DIR = REPO / "models" / "smollm2-135m-instruct"
 MODEL_NAME = "smollm2-135m-instruct"
 APP_NAME = "llm"
-
-
-def free_port() -> int:
-    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")
@@ -142,6 +138,60 @@ def wait_until_idle(num_replicas: int, timeout_s: float = 20.0) -> dict[str, dic
         return stats if ok else None
 
     return wait_for(idle, timeout_s, message="idle replicas")
+
+
+# ---- clients of a module's `app` (each module deploys its own `app` fixture) ----------------------
+@pytest.fixture(scope="module")
+def http(app):
+    """Raw HTTP to the module's app."""
+    import httpx
+
+    with httpx.Client(base_url=app.base_url, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def client(app):
+    """The official `openai` client of the module's app."""
+    return openai_client(app)
+
+
+def small_chat(**fields) -> dict:
+    """A two-token chat request body ("Hi")."""
+    return {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, **fields}
+
+
+async def stream_completion(client, body: dict, on_chunk: Callable[[int], None] | None = None) -> dict:
+    """POST `body` to /v1/completions streamed (with usage) through an httpx.AsyncClient: the status,
+    the text, the events with choices (`on_chunk(count)` after each), the finish reason, the final
+    usage's completion tokens, the error (an error event's, or a non-200 answer's body) and whether
+    the stream ended with [DONE]."""
+    out = {"status": None, "text": "", "chunks": 0, "finish_reason": None, "tokens": None, "error": None, "done": False}
+    async with client.stream("POST", "/v1/completions", json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
+        out["status"] = r.status_code
+        if r.status_code != 200:
+            out["error"] = json.loads(await r.aread())["error"]
+            return out
+        async for line in r.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line[len("data: "):]
+            if data == "[DONE]":
+                out["done"] = True
+                break
+            payload = json.loads(data)
+            if "error" in payload:
+                out["error"] = payload["error"]
+                continue
+            if payload["choices"]:
+                out["chunks"] += 1
+                if on_chunk is not None:
+                    on_chunk(out["chunks"])
+                out["text"] += payload["choices"][0]["text"]
+                out["finish_reason"] = payload["choices"][0]["finish_reason"] or out["finish_reason"]
+            if payload.get("usage"):
+                out["tokens"] = payload["usage"]["completion_tokens"]
+    return out
 
 
 def openai_client(app: ServedApp, api_key: str = "unused", **kwargs):

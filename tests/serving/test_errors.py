@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import httpx
 import openai
 import pytest
 
@@ -28,12 +27,6 @@ MSG = [{"role": "user", "content": "Hi"}]
 def app(ray_cluster, model_dir):
     with serve_app(ray_cluster, app_args(num_replicas=1, engine={"num_blocks": NUM_BLOCKS})) as served:
         yield served
-
-
-@pytest.fixture(scope="module")
-def http(app):
-    with httpx.Client(base_url=app.base_url, timeout=60) as c:
-        yield c
 
 
 def chat(**fields):

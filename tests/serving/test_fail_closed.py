@@ -4,7 +4,7 @@ and no API key, the ingress refuses to start and the deployment fails with the r
 
 Nothing binds a network address here: Serve's proxies are disabled (`proxy_location: Disabled`), so
 `http_options.host: 0.0.0.0` is only the configured host the ingress reads from Serve's controller,
-exactly as it does behind real proxies. The LLMServer replicas run the null engine (no model
+exactly as it does behind real proxies. The LLMServer replicas run the null backend (no model
 weights), which keeps each deployment to seconds."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ EXPOSED_HOST = "0.0.0.0"
 def args(**overrides):
     from tests.serving.conftest import MODEL_DIR
 
-    base = {"model": str(MODEL_DIR), "backend": "loadtest.null_backend:NullBackend", "num_replicas": 1,
+    base = {"model": str(MODEL_DIR), "backend": "null", "num_replicas": 1,
             "num_cpus_per_replica": 0.1, "ingress_num_cpus": 0.05, "api_key_env": "", "tokenize_in_ingress": False,
             "engine": {"step_time_s": 0.01}}
     base.update(overrides)

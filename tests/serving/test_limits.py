@@ -14,15 +14,16 @@ import pytest
 from tests.serving.conftest import (
     API_KEY,
     API_KEY_ENV,
+    AUTH,
     MODEL_NAME,
     app_args,
     assert_error_body,
     openai_client,
     serve_app,
+    small_chat,
     wait_until_idle,
 )
 
-AUTH = {"Authorization": f"Bearer {API_KEY}"}
 TIMEOUT_S = 8.0
 MAX_BYTES = 8192
 
@@ -35,16 +36,6 @@ def app(ray_cluster, model_dir):
     )
     with serve_app(ray_cluster, args) as served:
         yield served
-
-
-@pytest.fixture(scope="module")
-def http(app):
-    with httpx.Client(base_url=app.base_url, timeout=60) as c:
-        yield c
-
-
-def small_chat(**fields) -> dict:
-    return {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, **fields}
 
 
 def test_api_key_required(http, app):

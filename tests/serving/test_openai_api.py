@@ -19,7 +19,6 @@ from tests.serving.conftest import (
     MODEL_NAME,
     app_args,
     async_openai_client,
-    openai_client,
     replica_actors,
     replica_stats,
     serve_app,
@@ -38,17 +37,6 @@ def app(request, ray_cluster, model_dir):
     (serving.stream_mux: one message per flush per ingress, the admission chunk on the call)."""
     with serve_app(ray_cluster, app_args(num_replicas=2, stream_multiplexing=request.param)) as served:
         yield served
-
-
-@pytest.fixture(scope="module")
-def client(app):
-    return openai_client(app)
-
-
-@pytest.fixture(scope="module")
-def http(app):
-    with httpx.Client(base_url=app.base_url, timeout=120) as c:
-        yield c
 
 
 def test_models_and_health(client, http):

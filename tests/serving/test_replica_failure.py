@@ -11,9 +11,9 @@ Each with and without stream multiplexing (there the deltas travel apart from th
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -28,6 +28,7 @@ from tests.serving.conftest import (
     replica_actors,
     replica_stats,
     serve_app,
+    stream_completion,
     wait_for,
     wait_until_idle,
 )
@@ -57,30 +58,8 @@ def app(request, ray_cluster, model_dir):
 
 
 async def stream_one(client: httpx.AsyncClient, i: int, progress: list[int] | None = None) -> dict:
-    body = {"model": MODEL_NAME, "prompt": f"Story number {i}:", "max_tokens": MAX_TOKENS, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-    result = {"status": None, "chunks": 0, "tokens": 0, "finish_reason": None, "error": None, "done": False}
-    async with client.stream("POST", "/v1/completions", json=body) as r:
-        result["status"] = r.status_code
-        async for line in r.aiter_lines():
-            if not line.startswith("data: "):
-                continue
-            data = line[len("data: "):]
-            if data == "[DONE]":
-                result["done"] = True
-                break
-            payload = json.loads(data)
-            if "error" in payload:
-                result["error"] = payload["error"]
-                continue
-            if payload["choices"]:
-                result["chunks"] += 1
-                if progress is not None:
-                    progress[i] = result["chunks"]
-                result["finish_reason"] = payload["choices"][0]["finish_reason"] or result["finish_reason"]
-            if payload.get("usage"):
-                result["tokens"] = payload["usage"]["completion_tokens"]
-    return result
+    body = {"model": MODEL_NAME, "prompt": f"Story number {i}:", "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+    return await stream_completion(client, body, None if progress is None else lambda n: progress.__setitem__(i, n))
 
 
 def run_in_thread(coro_fn):
@@ -99,60 +78,55 @@ def running_per_replica() -> dict[str, int]:
     return {name: s["num_running"] + s["num_waiting"] for name, s in replica_stats().items()}
 
 
-def wait_replaced(victim: str, survivor: str, before: set[str], timeout_s: float = 300) -> None:
-    """Serve runs 2 replicas again: the survivor and one new replica instead of the victim (a replica
-    starts in ~30 s on a quiet machine, in over 100 s on a loaded one)."""
+@dataclass
+class Load:
+    """Streams running on both replicas: `victim` (the replica with fewer, ties by name) is the one to
+    fail, `survivor` the other; `before`: the replicas before."""
 
-    def replaced():
-        status = serve.status().applications[APP_NAME].deployments["LLMServer"]
-        names = set(replica_actors())
-        return status.replica_states.get("RUNNING", 0) == 2 and victim not in names and len(names) == 2 and names
+    thread: threading.Thread
+    holder: dict
+    placed: dict[str, int]  # requests per replica
+    before: set[str]
 
-    names = wait_for(replaced, timeout_s, interval_s=1.0, message=f"a replacement for {victim}")
-    assert survivor in names and len(names - before) == 1
+    @property
+    def victim(self) -> str:
+        return min(self.placed, key=lambda name: (self.placed[name], name))
+
+    @property
+    def survivor(self) -> str:
+        return next(name for name in self.placed if name != self.victim)
+
+    def outcomes(self, hung: str) -> tuple[list[dict], list[dict]]:
+        """Once every stream ended (else fails with `hung`): (ok, failed), the survivor's requests
+        all ok and the victim's all failed."""
+        self.thread.join(timeout=180)
+        assert not self.thread.is_alive(), hung
+        results = self.holder["results"]
+        ok = [r for r in results if r["error"] is None]
+        failed = [r for r in results if r["error"] is not None]
+        assert len(ok) == self.placed[self.survivor] and len(failed) == self.placed[self.victim], (self.placed, results)
+        return ok, failed
+
+    def wait_replaced(self, timeout_s: float = 300) -> None:
+        """Serve runs 2 replicas again: the survivor and one new replica instead of the victim (a replica
+        starts in ~30 s on a quiet machine, in over 100 s on a loaded one)."""
+
+        def replaced():
+            status = serve.status().applications[APP_NAME].deployments["LLMServer"]
+            names = set(replica_actors())
+            return status.replica_states.get("RUNNING", 0) == 2 and self.victim not in names and len(names) == 2 and names
+
+        names = wait_for(replaced, timeout_s, interval_s=1.0, message=f"a replacement for {self.victim}")
+        assert self.survivor in names and len(names - self.before) == 1
 
 
-def test_kill_replica_under_load(app):
+def load_both_replicas(app, num_requests: int) -> Load:
+    """On idle replicas, start `num_requests` streams; return once all are streaming (a request that
+    has not sent anything yet would be retried on the other replica, see test_api_unit), spread over
+    both replicas."""
     wait_until_idle(2)
     before = set(replica_actors())
     assert len(before) == 2
-    # every request is streaming (a request that has not sent anything yet would be retried on the
-    # other replica, see test_api_unit), and they are spread over both replicas
-    thread, holder, placed = start_load_and_place(app, NUM_REQUESTS)
-    assert all(n >= 1 for n in placed.values()), placed
-    victim = min(placed, key=lambda name: (placed[name], name))
-    survivor = next(name for name in placed if name != victim)
-    ray.kill(replica_actors()[victim], no_restart=True)
-
-    thread.join(timeout=180)
-    assert not thread.is_alive(), "requests hung after the replica died"
-    results = holder["results"]
-    ok = [r for r in results if r["error"] is None]
-    failed = [r for r in results if r["error"] is not None]
-    # the surviving replica's requests finish completely; the victim's end with an error event
-    assert len(ok) == placed[survivor], (placed, results)
-    assert len(failed) == placed[victim], (placed, results)
-    for r in ok:
-        assert r["status"] == 200 and r["done"] and r["finish_reason"] == "length" and r["tokens"] == MAX_TOKENS
-    for r in failed:
-        assert r["status"] == 200 and r["done"]  # the stream had started: error event, then [DONE]
-        assert r["error"]["type"] == "server_error" and r["error"]["code"] == "replica_unavailable"
-        assert set(r["error"]) == {"message", "type", "param", "code"}
-
-    wait_replaced(victim, survivor, before)  # Serve replaces the dead replica
-    wait_until_idle(2)
-
-    # and new requests succeed (on both replicas)
-    async def after():
-        async with httpx.AsyncClient(base_url=app.base_url, timeout=120) as client:
-            return await asyncio.gather(*(stream_one(client, i) for i in range(6)))
-
-    for r in asyncio.run(after()):
-        assert r["status"] == 200 and r["error"] is None and r["tokens"] == MAX_TOKENS and r["done"]
-
-
-def start_load_and_place(app, num_requests: int) -> tuple[threading.Thread, dict, dict[str, int]]:
-    """Start `num_requests` streams; return once all are streaming, with their placement per replica."""
     progress = [0] * num_requests
 
     async def load():
@@ -170,7 +144,43 @@ def start_load_and_place(app, num_requests: int) -> tuple[threading.Thread, dict
         counts = running_per_replica()
         return counts if sum(counts.values()) == num_requests else None
 
-    return thread, holder, wait_for(placed, 10, message=f"{num_requests} requests running")
+    placement = wait_for(placed, 10, message=f"{num_requests} requests running")
+    assert all(n >= 1 for n in placement.values()), placement
+    return Load(thread, holder, placement, before)
+
+
+def serves_again(app) -> None:
+    """Once the replicas are idle, new requests succeed."""
+    wait_until_idle(2)
+    with httpx.Client(base_url=app.base_url, timeout=60) as c:
+        for _ in range(4):
+            r = c.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 4})
+            assert r.status_code == 200, r.text
+
+
+def test_kill_replica_under_load(app):
+    load = load_both_replicas(app, NUM_REQUESTS)
+    ray.kill(replica_actors()[load.victim], no_restart=True)
+
+    # the surviving replica's requests finish completely; the victim's end with an error event
+    ok, failed = load.outcomes("requests hung after the replica died")
+    for r in ok:
+        assert r["status"] == 200 and r["done"] and r["finish_reason"] == "length" and r["tokens"] == MAX_TOKENS
+    for r in failed:
+        assert r["status"] == 200 and r["done"]  # the stream had started: error event, then [DONE]
+        assert r["error"]["type"] == "server_error" and r["error"]["code"] == "replica_unavailable"
+        assert set(r["error"]) == {"message", "type", "param", "code"}
+
+    load.wait_replaced()  # Serve replaces the dead replica
+    wait_until_idle(2)
+
+    # and new requests succeed (on both replicas)
+    async def after():
+        async with httpx.AsyncClient(base_url=app.base_url, timeout=120) as client:
+            return await asyncio.gather(*(stream_one(client, i) for i in range(6)))
+
+    for r in asyncio.run(after()):
+        assert r["status"] == 200 and r["error"] is None and r["tokens"] == MAX_TOKENS and r["done"]
 
 
 def engine_dead(actor) -> bool:
@@ -183,69 +193,41 @@ def engine_dead(actor) -> bool:
 
 
 def test_engine_death_fails_health_check_and_replica_is_replaced(app):
-    wait_until_idle(2)
-    before = set(replica_actors())
-    thread, holder, placed = start_load_and_place(app, 6)
-    assert all(n >= 1 for n in placed.values()), placed
-    victim = min(placed, key=lambda name: (placed[name], name))
-    survivor = next(name for name in placed if name != victim)
+    load = load_both_replicas(app, 6)
     actors = replica_actors()
     trigger = Path(os.environ[FAULT_FILE_ENV])
-    trigger.write_text(victim)  # the replica id: its engine loop dies at its next step
+    trigger.write_text(load.victim)  # the replica id: its engine loop dies at its next step
     try:
         # the dead replica leaves the routing at once: requests sent as soon as its engine is dead
         # are served by the survivor (held, then retried), none answered 500 by the dead one
-        wait_for(lambda: engine_dead(actors[victim]), 60, message="the victim's engine died")
+        wait_for(lambda: engine_dead(actors[load.victim]), 60, message="the victim's engine died")
         with httpx.Client(base_url=app.base_url, timeout=60) as c:
             for _ in range(6):
                 r = c.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 2})
                 assert r.status_code == 200, r.text
-        thread.join(timeout=180)
-        assert not thread.is_alive(), "requests hung after the engine died"
-        results = holder["results"]
-        ok = [r for r in results if r["error"] is None]
-        failed = [r for r in results if r["error"] is not None]
-        assert len(ok) == placed[survivor] and len(failed) == placed[victim], (placed, results)
+        ok, failed = load.outcomes("requests hung after the engine died")
         for r in ok:
             assert r["done"] and r["tokens"] == MAX_TOKENS
         for r in failed:
             assert r["done"] and r["error"]["code"] == "engine_error" and r["error"]["type"] == "server_error"
 
-        wait_replaced(victim, survivor, before)  # its health check fails and Serve replaces it
+        load.wait_replaced()  # its health check fails and Serve replaces it
     finally:
         trigger.unlink(missing_ok=True)
-    wait_until_idle(2)
-    with httpx.Client(base_url=app.base_url, timeout=60) as c:
-        for _ in range(4):
-            r = c.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 4})
-            assert r.status_code == 200, r.text
+    serves_again(app)
 
 
 def test_hung_engine_fails_health_check_and_replica_is_replaced(app):
-    wait_until_idle(2)
-    before = set(replica_actors())
-    thread, holder, placed = start_load_and_place(app, 6)
-    assert all(n >= 1 for n in placed.values()), placed
-    victim = min(placed, key=lambda name: (placed[name], name))
-    survivor = next(name for name in placed if name != victim)
+    load = load_both_replicas(app, 6)
     trigger = Path(os.environ[FAULT_FILE_ENV])
-    trigger.write_text(HANG_PREFIX + victim)  # its next step blocks, its thread stays alive
+    trigger.write_text(HANG_PREFIX + load.victim)  # its next step blocks, its thread stays alive
     try:
-        wait_replaced(victim, survivor, before)  # stalled past the bound: unhealthy, replaced
-        thread.join(timeout=180)
-        assert not thread.is_alive(), "requests hung with the engine"
+        load.wait_replaced()  # stalled past the bound: unhealthy, replaced
+        ok, failed = load.outcomes("requests hung with the engine")
     finally:
         trigger.unlink(missing_ok=True)
-    results = holder["results"]
-    ok = [r for r in results if r["error"] is None]
-    failed = [r for r in results if r["error"] is not None]
-    assert len(ok) == placed[survivor] and len(failed) == placed[victim], (placed, results)
     for r in ok:
         assert r["done"] and r["tokens"] == MAX_TOKENS
     for r in failed:  # the stream had started: an error event, then [DONE]
         assert r["done"] and r["error"]["type"] == "server_error" and set(r["error"]) == {"message", "type", "param", "code"}
-    wait_until_idle(2)
-    with httpx.Client(base_url=app.base_url, timeout=60) as c:
-        for _ in range(4):
-            r = c.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 4})
-            assert r.status_code == 200, r.text
+    serves_again(app)

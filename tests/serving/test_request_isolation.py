@@ -16,7 +16,15 @@ import httpx
 import pytest
 
 from tests.serving.api_fuzz import Canary, fuzz
-from tests.serving.conftest import MODEL_NAME, app_args, assert_error_body, serve_app, wait_until_idle
+from tests.serving.conftest import (
+    MODEL_NAME,
+    app_args,
+    assert_error_body,
+    serve_app,
+    small_chat,
+    stream_completion,
+    wait_until_idle,
+)
 from tests.serving.faults import fault_user
 from tests.serving.fuzz_app import fuzz_app_args, replica_ids
 
@@ -38,32 +46,22 @@ def replicas(app) -> set[str]:
     return replica_ids()
 
 
-@pytest.fixture(scope="module")
-def http(app):
-    with httpx.Client(base_url=app.base_url, timeout=120) as c:
-        yield c
-
-
-def chat(**fields) -> dict:
-    return {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, **fields}
-
-
 PROBES = [  # (body, expected status, param of the 400)
-    (chat(top_k=2**63), 200, None),
-    (chat(top_k=2**63, temperature=0.7, seed=3), 200, None),
-    (chat(seed=2**70), 400, "seed"),
-    (chat(seed=-(2**63) - 1), 400, "seed"),
-    (chat(top_k=-5), 400, "top_k"),
-    (chat(temperature=1e308), 400, "temperature"),
-    (chat(repetition_penalty=1e300), 400, "repetition_penalty"),
-    (chat(min_tokens=2**63), 400, "min_tokens"),
-    (chat(max_tokens=2**63), 400, "max_tokens"),
-    (chat(logprobs=True, top_logprobs=2**63), 400, "top_logprobs"),
-    (chat(stop=["x"] * 20_000), 400, "stop"),
-    (chat(stop_token_ids=[2**63]), 400, "stop_token_ids"),
-    (chat(user="u" * 900_000), 400, "user"),
-    (chat(n=128), 400, "n"),
-    (chat(messages=[{"role": "user", "content": "word " * 180_000}]), 400, "messages"),
+    (small_chat(top_k=2**63), 200, None),
+    (small_chat(top_k=2**63, temperature=0.7, seed=3), 200, None),
+    (small_chat(seed=2**70), 400, "seed"),
+    (small_chat(seed=-(2**63) - 1), 400, "seed"),
+    (small_chat(top_k=-5), 400, "top_k"),
+    (small_chat(temperature=1e308), 400, "temperature"),
+    (small_chat(repetition_penalty=1e300), 400, "repetition_penalty"),
+    (small_chat(min_tokens=2**63), 400, "min_tokens"),
+    (small_chat(max_tokens=2**63), 400, "max_tokens"),
+    (small_chat(logprobs=True, top_logprobs=2**63), 400, "top_logprobs"),
+    (small_chat(stop=["x"] * 20_000), 400, "stop"),
+    (small_chat(stop_token_ids=[2**63]), 400, "stop_token_ids"),
+    (small_chat(user="u" * 900_000), 400, "user"),
+    (small_chat(n=128), 400, "n"),
+    (small_chat(messages=[{"role": "user", "content": "word " * 180_000}]), 400, "messages"),
     ({"model": MODEL_NAME, "prompt": [49152], "max_tokens": 2}, 400, "prompt"),
     ({"model": MODEL_NAME, "prompt": "hi", "max_tokens": 2, "logprobs": 2**63}, 400, "logprobs"),
 ]
@@ -89,33 +87,6 @@ def test_nan_and_infinity_literals_are_400(http):
         assert_error_body(r, 400, param="temperature")
 
 
-async def stream_text(client: httpx.AsyncClient, body: dict) -> dict:
-    """Status, text, finish reason, token count and error of a streamed completion."""
-    out = {"status": None, "text": "", "finish_reason": None, "tokens": None, "error": None, "done": False}
-    async with client.stream("POST", "/v1/completions", json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
-        out["status"] = r.status_code
-        if r.status_code != 200:
-            out["error"] = json.loads(await r.aread())["error"]
-            return out
-        async for line in r.aiter_lines():
-            if not line.startswith("data: "):
-                continue
-            data = line[len("data: "):]
-            if data == "[DONE]":
-                out["done"] = True
-                break
-            payload = json.loads(data)
-            if "error" in payload:
-                out["error"] = payload["error"]
-                continue
-            if payload["choices"]:
-                out["text"] += payload["choices"][0]["text"]
-                out["finish_reason"] = payload["choices"][0]["finish_reason"] or out["finish_reason"]
-            if payload.get("usage"):
-                out["tokens"] = payload["usage"]["completion_tokens"]
-    return out
-
-
 NEIGHBOUR = {"model": MODEL_NAME, "prompt": "The history of the printing press", "max_tokens": NEIGHBOUR_TOKENS,
              "temperature": 0, "ignore_eos": True}
 
@@ -124,7 +95,7 @@ NEIGHBOUR = {"model": MODEL_NAME, "prompt": "The history of the printing press",
 def neighbour_reference(app) -> dict:
     async def main():
         async with httpx.AsyncClient(base_url=app.base_url, timeout=120) as client:
-            return await stream_text(client, NEIGHBOUR)
+            return await stream_completion(client, NEIGHBOUR)
 
     ref = asyncio.run(main())
     assert ref["error"] is None and ref["tokens"] == NEIGHBOUR_TOKENS
@@ -138,9 +109,9 @@ def test_a_fault_in_one_request_leaves_its_neighbour_intact(app, replicas, neigh
 
     async def main():
         async with httpx.AsyncClient(base_url=app.base_url, timeout=120) as client:
-            neighbour = asyncio.create_task(stream_text(client, NEIGHBOUR))
+            neighbour = asyncio.create_task(stream_completion(client, NEIGHBOUR))
             await asyncio.sleep(0.3)  # the neighbour is running when the victim arrives
-            victim = await stream_text(client, victim_body)
+            victim = await stream_completion(client, victim_body)
             return victim, await neighbour
 
     victim, neighbour = asyncio.run(main())

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import re
 
-import httpx
 import jsonschema
 import pytest
 
@@ -16,7 +15,6 @@ from tests.serving.conftest import (
     MODEL_NAME,
     app_args,
     assert_error_body,
-    openai_client,
     serve_app,
 )
 
@@ -33,17 +31,6 @@ MESSAGES = [{"role": "user", "content": "Describe a product for sale as JSON."}]
 def app(ray_cluster, model_dir):
     with serve_app(ray_cluster, app_args(num_replicas=1, engine={"max_num_seqs": 16})) as served:
         yield served
-
-
-@pytest.fixture(scope="module")
-def client(app):
-    return openai_client(app)
-
-
-@pytest.fixture(scope="module")
-def http(app):
-    with httpx.Client(base_url=app.base_url, timeout=120) as c:
-        yield c
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ import pytest
 from serve_app.input_processor import InputProcessor
 from serve_app.serving.openai_protocol import ChatCompletionRequest
 from serve_app.serving.tool_prompt import render_chat
-from tests.serving.conftest import MODEL_NAME, app_args, openai_client, serve_app
+from tests.serving.conftest import MODEL_NAME, app_args, serve_app
 
 WEATHER_PARAMS = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "London", "Tokyo"]},
                                                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
@@ -38,11 +38,6 @@ MAX_TOKENS = 96
 def app(ray_cluster, model_dir):
     with serve_app(ray_cluster, app_args(num_replicas=1)) as served:
         yield served
-
-
-@pytest.fixture(scope="module")
-def client(app):
-    return openai_client(app)
 
 
 def calls_of(message) -> list[tuple[str, dict]]:

@@ -12,6 +12,8 @@ import os
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
+import pytest
+
 T = TypeVar("T")
 
 # fp32 (token-exact with HF and the native engine), no torch.compile, a small KV cache and context
@@ -31,6 +33,14 @@ class EventLoop:
 
     def close(self) -> None:
         self.loop.close()
+
+
+@pytest.fixture(scope="module")
+def loop():
+    """The module's event loop (its vLLM engine's)."""
+    runner = EventLoop()
+    yield runner
+    runner.close()
 
 
 async def collect(stream) -> list[Any]:

@@ -24,7 +24,7 @@ from serve_app.metrics.loggers import PrometheusStatLogger  # noqa: E402
 from serve_app.serving.config import ServeConfig  # noqa: E402
 from serve_app.types import FinishReason, GenerateRequest, SamplingParams  # noqa: E402
 from tests.engine.conftest import CHAT_PROMPTS, hf_greedy  # noqa: E402
-from tests.vllm.conftest import ENGINE, KV_BLOCK_SIZE, EventLoop, RecordingLogger, collect, wait_until  # noqa: E402
+from tests.vllm.conftest import ENGINE, KV_BLOCK_SIZE, RecordingLogger, collect, wait_until  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
@@ -32,13 +32,6 @@ MODEL_NAME = "smollm2-135m-instruct"
 MAX_TOKENS = 24
 TEXT_PROMPTS = ["Once upon a time, in a small village by the sea,", "The three laws of thermodynamics are"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
-
-
-@pytest.fixture(scope="module")
-def loop():
-    runner = EventLoop()
-    yield runner
-    runner.close()
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from serve_app.engine import LLM  # noqa: E402
 from serve_app.serving.config import ServeConfig  # noqa: E402
 from tests.serving.test_tool_calling import ASK, TOOLS  # noqa: E402
 from tests.serving.tool_requests import read_calls, tool_request, validated_calls  # noqa: E402
-from tests.vllm.conftest import ENGINE, EventLoop, collect  # noqa: E402
+from tests.vllm.conftest import ENGINE, collect  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
@@ -27,13 +27,6 @@ CHOICES = [
     {"tool_choice": "required"},
 ]
 BODIES = [{"messages": ASK, "tools": TOOLS, "temperature": 0, "max_tokens": 96, **choice} for choice in CHOICES]
-
-
-@pytest.fixture(scope="module")
-def loop():
-    runner = EventLoop()
-    yield runner
-    runner.close()
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""The null engine (loadtest/null_backend.py): config hook, tokens and text, batching, stats, aborts.
+"""The null backend (serve_app/backends/null.py): its name and options, tokens and text, batching, stats, aborts.
 
 In-process, no Ray: the backend is driven through the `Backend` interface as an LLMServer replica
 drives it, with the repository's real tokenizer.
@@ -13,40 +13,30 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
-from loadtest.null_backend import NullBackend, NullEngineOptions
 from serve_app.backends import make_backend
+from serve_app.backends.null import NullBackend, NullEngineOptions
 from serve_app.serving.config import ServeConfig
 from serve_app.types import FinishReason, GenerateRequest, SamplingParams
+from tests.recording_logger import RecordingLogger
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL_DIR = REPO / "models" / "smollm2-135m-instruct"
-PLUGIN = "loadtest.null_backend:NullBackend"
 
 
-class RecordingLogger:
-    def __init__(self) -> None:
-        self.steps = []
-        self.finished = []
-
-    def record(self, stats, finished) -> None:
-        if stats is not None:
-            self.steps.append(stats)
-        self.finished.extend(finished)
-
-
-def config(**engine) -> ServeConfig:
-    return ServeConfig(model=str(MODEL_DIR), backend=PLUGIN, engine=engine)
+def config(backend: str = "null", **engine) -> ServeConfig:
+    return ServeConfig(model=str(MODEL_DIR), backend=backend, engine=engine)
 
 
 def request(rid: str, max_tokens: int, prompt: str | list[int] = "Hello there") -> GenerateRequest:
     return GenerateRequest(rid, prompt=prompt, sampling_params=SamplingParams(max_tokens=max_tokens))
 
 
-def test_config_hook_validates_the_plugin_and_its_options():
-    cfg = config(step_time_s=0.005, max_num_seqs=8, block_size=32)
-    assert cfg.backend_config.options == NullEngineOptions(step_time_s=0.005, max_num_seqs=8, block_size=32)
-    assert cfg.backend_config.kv_block_size == 32 and cfg.backend_config.device == "none"
-    assert isinstance(make_backend(cfg.backend_config), NullBackend)
+def test_the_name_or_the_import_path_selects_it_and_its_options_are_validated():
+    for backend in ("null", "serve_app.backends.null:NullBackend"):  # a plugin backend is named by import path
+        cfg = config(backend, step_time_s=0.005, max_num_seqs=8, block_size=32)
+        assert cfg.backend_config.options == NullEngineOptions(step_time_s=0.005, max_num_seqs=8, block_size=32)
+        assert cfg.backend_config.kv_block_size == 32 and cfg.backend_config.device == "none"
+        assert isinstance(make_backend(cfg.backend_config), NullBackend)
     with pytest.raises(ValueError, match="^step_time_s:"):
         config(step_time_s=0)
     with pytest.raises(ValueError, match="^dtype: not a null-engine option"):
@@ -63,16 +53,23 @@ async def collect(backend: NullBackend, req: GenerateRequest) -> list:
     return [out async for out in backend.generate(req)]
 
 
+@contextlib.asynccontextmanager
+async def started(**engine):
+    """A started null backend with these `engine` options, and a recording stat logger; shut down after."""
+    stats = RecordingLogger()
+    backend = NullBackend.from_config(config(**engine).backend_config, [stats])
+    await backend.start()
+    try:
+        yield backend, stats
+    finally:
+        backend.shutdown()
+
+
 def test_streams_real_text_in_batches_with_stats_and_frees_every_block():
     async def run():
-        stats = RecordingLogger()
-        backend = NullBackend.from_config(config(step_time_s=0.001, max_num_seqs=3, num_blocks=64).backend_config, [stats])
-        await backend.start()
-        try:
+        async with started(step_time_s=0.001, max_num_seqs=3, num_blocks=64) as (backend, stats):
             results = await asyncio.gather(*(collect(backend, request(f"r{i}", 5 + i)) for i in range(5)))
             return backend, stats, results, backend.routing_stats()
-        finally:
-            backend.shutdown()
 
     backend, stats, results, load = asyncio.run(run())
     tokenizer = Tokenizer.from_file(str(MODEL_DIR / "tokenizer.json"))
@@ -96,10 +93,7 @@ def test_streams_real_text_in_batches_with_stats_and_frees_every_block():
 
 def test_leaving_a_stream_aborts_it_and_frees_its_blocks_and_bad_input_is_rejected():
     async def run():
-        stats = RecordingLogger()
-        backend = NullBackend.from_config(config(step_time_s=0.001, num_blocks=64, block_size=4).backend_config, [stats])
-        await backend.start()
-        try:
+        async with started(step_time_s=0.001, num_blocks=64, block_size=4) as (backend, stats):
             with pytest.raises(ValueError, match="^prompt:"):
                 await collect(backend, request("bad", 4, prompt=[]))
             stream = backend.generate(request("long", 1000, prompt=list(range(40))))
@@ -112,8 +106,6 @@ def test_leaving_a_stream_aborts_it_and_frees_its_blocks_and_bad_input_is_reject
                     break
                 await asyncio.sleep(0.005)
             return busy, backend.routing_stats(), stats.finished
-        finally:
-            backend.shutdown()
 
     busy, after, finished = asyncio.run(run())
     assert busy.num_running == 1 and busy.num_free_blocks <= 64 - 11  # 40 prompt tokens + 1 in 4-token blocks

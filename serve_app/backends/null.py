@@ -1,6 +1,7 @@
-"""The null engine: a `Backend` that generates tokens with no model, to measure the serving path alone. Select it
-with `backend: "loadtest.null_backend:NullBackend"` (replicas need the repository on `PYTHONPATH`); options in
-`engine` (`NullEngineOptions`).
+"""The null backend (`backend: null`): generates tokens with no model, to measure what a deployment's serving
+path (proxy, ingress, router, replica shim, Ray) carries and costs on its own, and to run the serving stack
+where no model should load; `model` still names a model directory (its tokenizer and `config.json`), and
+`engine` holds `NullEngineOptions` (docs/serving-path.md#the-null-backend).
 
 Real: request validation and tokenization (the model's tokenizer through the engine's `InputProcessor`), the
 output tokens and their text (a real passage, each request from its own offset, detokenized per token),
