@@ -42,22 +42,12 @@ COLORS = {"queued": "#cfcfcf", "prefill": "tab:orange", "decode": "tab:blue"}
 log = report.logger("bench-batching")
 
 
-def parse_policy(spec: str) -> tuple[str, str, int]:
-    """`static`, `dynamic`, `continuous`, or `static:8` / `dynamic:8` (that batch size) → (label, batching,
-    batch_size); batch_size 0 means the batch cap."""
-    batching, _, size = spec.partition(":")
-    if batching not in POLICIES or (size and (not size.isdigit() or int(size) < 1 or batching == "continuous")):
-        raise ValueError(f"policies: {spec!r} is not one of {POLICIES} or static:N / dynamic:N")
-    return (f"{batching}-b{size}" if size else batching), batching, int(size or 0)
-
-
-def engine_kwargs(args: argparse.Namespace, batching: str, batch_size: int = 0) -> dict[str, Any]:
+def engine_kwargs(args: argparse.Namespace, batching: str) -> dict[str, Any]:
     kwargs: dict[str, Any] = {"dtype": args.dtype, "device": "cpu", "batching": batching, "max_num_seqs": args.max_num_seqs,
                               "max_num_batched_tokens": args.max_num_batched_tokens, "kv_cache_memory_gib": args.kv_cache_gib,
                               "enable_prefix_caching": False}  # random prompts share nothing: keep every policy's work identical
-    if batching != "continuous":
-        kwargs.update(batch_size=batch_size or args.max_num_seqs,
-                      batch_timeout_s=args.static_timeout_s if batching == "static" else 0.0)
+    if batching != "continuous":  # batches of the batch cap
+        kwargs.update(batch_size=args.max_num_seqs, batch_timeout_s=args.static_timeout_s if batching == "static" else 0.0)
     return kwargs
 
 
@@ -93,11 +83,10 @@ async def _replay(engine, trace: list[TraceRequest], policy: str, timeout_s: flo
     return results, t0, not pending, max(lags, default=0.0)
 
 
-def run_policy(args: argparse.Namespace, spec: str, trace: list[TraceRequest]) -> dict[str, Any]:
+def run_policy(args: argparse.Namespace, policy: str, trace: list[TraceRequest]) -> dict[str, Any]:
     from serve_app.engine.async_engine import AsyncLLMEngine
 
-    policy, batching, batch_size = parse_policy(spec)
-    recorder, kwargs = RecordingLogger(), engine_kwargs(args, batching, batch_size)
+    recorder, kwargs = RecordingLogger(), engine_kwargs(args, policy)
     engine = AsyncLLMEngine.from_kwargs(args.model, stat_loggers=[recorder], **kwargs)
     loop = asyncio.new_event_loop()
     try:  # warm-up (kernels, allocator), not measured
@@ -216,7 +205,7 @@ def plots(results: dict[str, Any]) -> dict[str, report.Plot]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = report.Parser(__doc__, "build/bench-batching-quick", "a quarter of the tokens", model=True, num_requests=16)
-    p.add_argument("--policies", default=",".join(POLICIES), help="comma-separated, run in order; static:N / dynamic:N: batch size N")
+    p.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES, help="run in order")
     p.add_argument("--num-requests", type=int, default=96)
     p.add_argument("--rate", type=float, help="Poisson arrivals per second (default: --load x the capacity calibrated first)")
     p.add_argument("--load", type=float, default=1.5, help="arrival rate as a multiple of the calibrated capacity")
@@ -226,14 +215,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for flag, kind, default in (("--seed", int, 0), ("--threads", int, 0), ("--max-num-batched-tokens", int, 2048), ("--kv-cache-gib", float, 1.0),
                                 ("--policy-timeout-s", float, 300.0)):
         p.add_argument(flag, type=kind, default=default)
-    args = p.parse_args(argv)
-    args.policies = [x.strip() for x in args.policies.split(",") if x.strip()]
-    for spec in args.policies:
-        try:
-            parse_policy(spec)
-        except ValueError as exc:
-            p.error(str(exc))
-    return args
+    return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -264,10 +246,9 @@ def main(argv: list[str] | None = None) -> int:
                            "requests": [[r.arrival_s, r.prompt_len, r.output_len] for r in trace]}  # the makespan bound's input
     results["settings"] = {**vars(args), "torch_threads": torch.get_num_threads()}
     results["policies"] = {}
-    for spec in args.policies:
+    for name in args.policies:
         gc.collect()
-        name = parse_policy(spec)[0]
-        results["policies"][name] = run_policy(args, spec, trace)
+        results["policies"][name] = run_policy(args, name, trace)
         s = results["policies"][name]["summary"]
         log(f"{name}: {s['output_tok_s']:.1f} output tok/s, TTFT p50 {num(s['ttft_p50_s'])} s, makespan {s['makespan_s']:.1f} s"
             + ("" if s["complete"] else " (INCOMPLETE)"))

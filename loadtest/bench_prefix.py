@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -128,8 +127,6 @@ def summarize(spec: pw.WorkloadSpec, rows: list[dict[str, Any]], wall_s: float, 
 def run_router(router: str, opts: argparse.Namespace, tokenizer: Any, probe_dir: Path, loop) -> dict[str, Any]:
     args = two_replicas(opts.num_blocks, **({"request_router_class": "loadtest.ray_prefix_router:RayPrefixCacheAffinityRouter"}
                                             if router == "ray_prefix" else {"router": router}))
-    if opts.router_kwargs and router in ("prefix_aware", "kv_aware"):
-        args["router_kwargs"] = json.loads(opts.router_kwargs)
     cache_tokens = opts.num_blocks * pw.BLOCK
     with server.deployed(args, f"bench-prefix-{router}") as app:
         out: dict[str, Any] = {"router": router, "deploy_s": app.startup_s, "workloads": {}}
@@ -205,7 +202,6 @@ def main() -> None:
                                        "multiplies request counts"), ("--prefix-words", int, 360, "words per shared prefix (~1.55 tokens each)")):
         parser.add_argument(flag, type=kind, default=default, help=help_)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
-    parser.add_argument("--router-kwargs", default="", help='JSON settings for the KV routers, e.g. \'{"recompute_weight": 2}\'')
     opts = parser.parse_args()
     from serve_app.input_processor import InputProcessor
 

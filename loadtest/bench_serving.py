@@ -204,7 +204,7 @@ def streams_label(v: dict[str, Any]) -> str:
 
 def body(results: dict[str, Any]) -> list[str]:
     w = results["workload"]
-    lines = [f"Serve environment: `{json.dumps(results['serve_env'])}`. Engine options (both targets, from {w['config']}): "
+    lines = [f"Engine options (both targets, from {w['config']}): "
              f"`{json.dumps(w['engine'])}`. Prompts: {w['prompt_len']} random token ids, new every repeat; TTFT: {w['ttft_requests']} "
              f"requests × 8 tokens one at a time, direct and Serve taking turns; throughput: every stream at once, {w['output_len']} output "
              f"tokens each. {w['repeats']} interleaved repeats; cells: median (min–max). Direct = `AsyncLLMEngine.generate` in this process; "
@@ -278,18 +278,15 @@ def run_in_child(overrides: list[str]) -> list[dict[str, Any]]:
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = report.Parser(__doc__, "build/bench-serving-quick", repeats=1, ttft_requests=4, output_len=16, concurrency=[8, 32],
+                           anchor_concurrency=[8], null_streams=[64], null_output_lens=[128], null_repeats=1)
     add, profiles = parser.add_argument, serving_path.PROFILES
     add("--config", default="configs/local.yaml", help="Serve YAML whose first application's args are used")
-    add("--replicas", type=int, nargs="+", default=[1], help="LLMServer replica counts")
-    add("--replica-threads", type=int, nargs="+", default=[0], help="torch threads per replica per --replicas entry (0: all cores)")
-    for flag, default in (("--repeats", 3), ("--ttft-requests", 16), ("--prompt-len", 128), ("--output-len", 64), ("--null-max-num-seqs", 256),
-                          ("--null-repeats", 2)):
+    for flag, default in (("--repeats", 3), ("--ttft-requests", 16), ("--prompt-len", 128), ("--output-len", 64), ("--null-repeats", 2)):
         add(flag, type=int, default=default)
     for flag, kind, default in (("--concurrency", int, [8, 32, 64]), ("--anchor-concurrency", int, [32]), ("--null-streams", int, [64, 256]),
-                                ("--null-output-lens", int, [128, 512]), ("--null-ingress", int, [1, 2]), ("--null-batch", float, [0.0, 0.05])):
+                                ("--null-output-lens", int, [128, 512]), ("--null-batch", float, [0.0, 0.05])):
         add(flag, type=kind, nargs="+", default=default)
-    add("--null-step-time", type=float, default=0.02, help="null engine step time (s)")
     add("--null-mux", nargs="+", default=["off", "on"], choices=("off", "on"), help="stream_multiplexing values, null engine")
     add("--null-profiles", nargs="+", default=list(profiles), choices=profiles, help="default: through the proxy; direct: direct ingress")
     add("--real-mux", nargs="+", default=["off", "on"], choices=("off", "on"), help="stream_multiplexing values, real engine")
@@ -300,16 +297,7 @@ def parse_args() -> argparse.Namespace:
         help="other stacks (vLLM ones need `make install-vllm`, Ray Serve LLM also pyarrow); none: skip")
     add("--skip-null", action="store_true", help="only the real engine: Serve vs direct")
     add("--skip-real", action="store_true", help="only the null-engine sweep")
-    add("--serve-env", nargs="*", default=[], metavar="NAME=VALUE", help="environment for every Ray/Serve process")
-    add("--out-dir")
-    add("--quick", action="store_true", help="null 64 streams × 128 tokens once; real engine 1 repeat of 16 tokens at 8, 32 streams")
-    opts = parser.parse_args()
-    if opts.quick:
-        opts.repeats, opts.ttft_requests, opts.output_len, opts.concurrency, opts.anchor_concurrency = 1, 4, 16, [8, 32], [8]
-        opts.null_streams, opts.null_output_lens, opts.null_repeats = [64], [128], 1
-    if len(opts.replica_threads) != len(opts.replicas):
-        parser.error("--replica-threads needs one value per --replicas entry")
-    return opts
+    return parser.parse_args()
 
 
 def main() -> None:
@@ -322,29 +310,27 @@ def main() -> None:
         os.environ.update(envs["haproxy"])
     args = server.config_args(opts.config)
     vocab, engine_kwargs = json.loads((Path(args["model"]) / "config.json").read_text())["vocab_size"], dict(args.get("engine", {}))
-    results = report.start("bench_serving")
-    results.update(serve_env=dict(item.split("=", 1) for item in opts.serve_env), variants=[], profile_env=envs,
-                   workload={"config": opts.config, "engine": engine_kwargs, "prompt_len": opts.prompt_len, "output_len": opts.output_len,
-                             "ttft_requests": opts.ttft_requests, "repeats": opts.repeats, "concurrency": opts.concurrency})
+    results = {**report.start("bench_serving"), "variants": [], "profile_env": envs, "workload": {"config": opts.config, "engine": engine_kwargs,
+               **{k: getattr(opts, k) for k in ("prompt_len", "output_len", "ttft_requests", "repeats", "concurrency")}}}
     if not opts.skip_null:
-        results["null"] = {"workload": {"step_time_s": opts.null_step_time, "max_num_seqs": opts.null_max_num_seqs,
+        results["null"] = {"workload": {"step_time_s": serving_path.NULL_STEP_TIME_S, "max_num_seqs": serving_path.NULL_MAX_NUM_SEQS,
                                         "prompt_len": opts.prompt_len, "repeats": opts.null_repeats}, "variants": []}
         for profile in opts.null_profiles:  # each in its own Ray instance: Serve reads these at process start
-            with server.ray_started("bench-serving", {**results["serve_env"], **envs[profile]}):
+            with server.ray_started("bench-serving", envs[profile]):
                 results["null"]["variants"] += serving_path.run_null_sweep(
                     serve_target, LOOP.run_until_complete, args["model"], lambda n: make_prompts(n, opts.prompt_len, vocab, 100, n), opts, profile)
     if not opts.skip_real:
         direct = DirectTarget(args["model"], engine_kwargs)
         try:
             for profile in [p for p in opts.real_profiles if haproxy_alone or p != "haproxy"]:
-                with server.ray_started("bench-serving", {**results["serve_env"], **envs[profile]}):
-                    for (replicas, threads), mux, batch in itertools.product(zip(opts.replicas, opts.replica_threads, strict=True),
-                                                                             ["off"] if profile == "haproxy" else opts.real_mux,
-                                                                             opts.real_batch or [args.get("stream_batch_interval_s", 0.0)]):
-                        variant_args = {**args, "num_replicas": replicas, "torch_num_threads": threads, "stream_multiplexing": mux == "on",
+                with server.ray_started("bench-serving", envs[profile]):
+                    for mux, batch in itertools.product(["off"] if profile == "haproxy" else opts.real_mux,
+                                                        opts.real_batch or [args.get("stream_batch_interval_s", 0.0)]):
+                        # one LLMServer replica on every core
+                        variant_args = {**args, "num_replicas": 1, "torch_num_threads": 0, "stream_multiplexing": mux == "on",
                                         "stream_batch_interval_s": batch}
                         variant = run_variant(direct, variant_args, opts, vocab, seed_base=100_000 * len(results["variants"]))
-                        results["variants"].append({**variant, "torch_threads_per_replica": threads or os.cpu_count(), "profile": profile,
+                        results["variants"].append({**variant, "torch_threads_per_replica": os.cpu_count(), "profile": profile,
                                                     "batch_interval_s": batch})
         finally:
             direct.engine.shutdown()
@@ -353,9 +339,8 @@ def main() -> None:
     if opts.anchors:
         results["anchors"] = {"concurrency": opts.anchor_concurrency,
                               "results": serving_anchors.measure(opts.anchors, args["model"], engine_kwargs, opts, vocab)}
-    out_dir = opts.out_dir or ("build/bench-serving-quick" if opts.quick else "reports")
     plots = {"serving": serving_path.plot(results["null"])} if "null" in results else {}
-    paths = report.write(results, out_dir, "serving", "The serving path: its ceiling (null engine) and its cost with the real engine",
+    paths = report.write(results, opts.out_dir, "serving", "The serving path: its ceiling (null engine) and its cost with the real engine",
                          body(results), plots)
     print(paths[1].read_text())
 

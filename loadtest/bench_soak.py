@@ -17,18 +17,13 @@ from pathlib import Path
 from statistics import linear_regression
 from typing import Any
 
-from loadtest import report, server
+from loadtest import machine, report, server
 from loadtest.client import Completions
 from loadtest.report import table
 
 APP = "bench-soak"
 TARGET_GROWTH = 0.02
 SETTLE_S = 6.0  # > IdleHeapTrimmer's interval
-
-
-def rss_bytes(pid: int) -> int:
-    status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
-    return int(status["VmRSS"].split()[0]) * 1024
 
 
 def replica_pids() -> dict[str, int]:
@@ -84,7 +79,7 @@ def main() -> None:
     results.update({k: getattr(opts, k) for k in ("replicas", "round_size", "rounds", "concurrency", "max_tokens")}, points=[])
     with server.ray_started(APP), server.serve_http() as base_url, server.deployed(args, APP):
         client, loop, pids, sent = Completions(base_url, Path(args["model"]).name), asyncio.new_event_loop(), replica_pids(), 0
-        results["points"].append({"requests": 0, "rss": {n: rss_bytes(p) for n, p in pids.items()}})
+        results["points"].append({"requests": 0, "rss": {n: machine.rss_bytes(machine.tree(p)[:1]) for n, p in pids.items()}})
         for round_index in range(opts.rounds + 1):
             started = time.monotonic()
             outcomes = loop.run_until_complete(run_round(client, sent, opts.round_size, opts.concurrency, opts.max_tokens))
@@ -92,7 +87,7 @@ def main() -> None:
             server.wait_idle(APP)
             time.sleep(SETTLE_S)  # idle replicas give their freed heap back (serve_app.serving.heap_trim)
             assert replica_pids() == pids, "a replica was replaced during the soak"
-            results["points"].append({"requests": sent, "rss": {n: rss_bytes(p) for n, p in pids.items()}, "outcomes": dict(outcomes),
+            results["points"].append({"requests": sent, "rss": {n: machine.rss_bytes(machine.tree(p)[:1]) for n, p in pids.items()}, "outcomes": dict(outcomes),
                                       "round_s": time.monotonic() - started})
             print(f"[soak] {'warm-up' if round_index == 0 else f'round {round_index}/{opts.rounds}'}: {sent} requests, {dict(outcomes)}, RSS MiB "
                   + ", ".join(f"{n}={v / 2**20:.1f}" for n, v in results["points"][-1]["rss"].items()), flush=True)

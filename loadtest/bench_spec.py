@@ -9,6 +9,7 @@ speculation. Speedup over the same engine without speculation, TPOT, acceptance,
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import random
 import time
@@ -210,23 +211,17 @@ def body(results: dict[str, Any]) -> list[str]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = report.Parser(__doc__, "build/bench-spec-quick", "fewer requests per level", model=True, concurrency="1,16", repeats=1,
-                      max_tokens=64)
-    p.add_argument("--settings", default=",".join(SETTINGS), help="comma-separated, from: " + ", ".join(SETTINGS))
-    p.add_argument("--workloads", default="grounded,open")
-    p.add_argument("--concurrency", default="1,4,16,64", help="comma-separated levels")
+    p = report.Parser(__doc__, "build/bench-spec-quick", "fewer requests per level", model=True, concurrency=[1, 16], repeats=1, max_tokens=64)
+    p.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=SETTINGS)
+    p.add_argument("--workloads", nargs="+", default=["grounded", "open"], choices=("grounded", "open"))
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64], help="levels")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=96)
     # float32: outputs are then token-identical with and without speculation; in bfloat16 a verification's
     # multi-row matmuls round differently from single-row decodes, which flips near-ties (vLLM's too)
     p.add_argument("--dtype", default="float32", choices=("bfloat16", "float32"))
     p.add_argument("--threads", type=int, default=1, help="OpenMP threads per engine (1: robust on a shared machine)")
-    args = p.parse_args(argv)
-    args.concurrency = [int(c) for c in args.concurrency.split(",")]
-    args.settings = args.settings.split(",")
-    if unknown := [s for s in args.settings if s not in SETTINGS]:
-        p.error(f"unknown setting {unknown[0]!r}")
-    return args
+    return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -241,22 +236,16 @@ def main(argv: list[str] | None = None) -> int:
         if SETTINGS[group[0]][0] == "vllm" and (reason := skip_reason("vllm")):
             results["notes"][group[0]] = reason
             continue
-        worker = None
         try:
-            worker = Worker("loadtest.bench_spec:SpecEngines", {**opts, "settings": group}, 1800.0)
-            for workload in args.workloads.split(","):
-                for c in args.concurrency:
-                    for repeat in range(args.repeats):
-                        for setting in interleaved(group, repeat):
-                            r = worker.call("run", setting, workload, c, table_.get(c, max(c, 4)))
-                            runs.append({"setting": setting, "workload": workload, "concurrency": c, "repeat": repeat, **r})
-                            log(f"{setting}: {workload} c={c} #{repeat}: {r['num_tokens'] / r['elapsed_s']:.1f} tok/s, accepted "
-                                f"{r['accepted']:.0f}/{r['proposed']:.0f}")
+            with Worker("loadtest.bench_spec:SpecEngines", {**opts, "settings": group}, 1800.0) as worker:
+                for workload, c, repeat in itertools.product(args.workloads, args.concurrency, range(args.repeats)):
+                    for setting in interleaved(group, repeat):
+                        r = worker.call("run", setting, workload, c, table_.get(c, max(c, 4)))
+                        runs.append({"setting": setting, "workload": workload, "concurrency": c, "repeat": repeat, **r})
+                        log(f"{setting}: {workload} c={c} #{repeat}: {r['num_tokens'] / r['elapsed_s']:.1f} tok/s, accepted "
+                            f"{r['accepted']:.0f}/{r['proposed']:.0f}")
         except WorkerError as exc:
             results["notes"][", ".join(group)] = str(exc).splitlines()[0]
-        finally:
-            if worker:
-                worker.stop()
     results["settings"] = {s: SETTINGS[s] for s in args.settings}
     results["rows"] = summarize(runs)
     results["runs"] = [{k: v for k, v in r.items() if k != "token_ids"} for r in runs]

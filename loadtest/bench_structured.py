@@ -9,7 +9,6 @@ of first-seen schemas.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -136,12 +135,10 @@ def body(results: dict[str, Any]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="models/smollm2-135m-instruct")
+    p = report.Parser(__doc__, model=True)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--no-vllm", action="store_true")
-    p.add_argument("--out-dir", default="reports")
+    p.add_argument("--no-vllm", action="store_true", help="the native engine alone")
     args = p.parse_args(argv)
     results, workers = report.start("bench_structured"), {}
     for engine in ("native",) if args.no_vllm else ("native", "vllm"):

@@ -72,18 +72,15 @@ class Stream:
 class Completions:
     """POST {base_url}/v1/completions, streamed, greedy, `ignore_eos` (a server extension ours and vLLM's have)."""
 
-    def __init__(self, base_url: str, model: str, api_key: str = "") -> None:
-        self.base_url, self.model = base_url.rstrip("/"), model
-        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._session = None
+    def __init__(self, base_url: str, model: str) -> None:
+        self.base_url, self.model, self._session = base_url.rstrip("/"), model, None
 
     def _client(self):
         """The session, opened on the event loop of the first call (an aiohttp session belongs to one loop)."""
         import aiohttp
 
         if self._session is None:
-            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1024), headers=self.headers,
-                                                  timeout=aiohttp.ClientTimeout(total=600))
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1024), timeout=aiohttp.ClientTimeout(total=600))
         return self._session
 
     def body(self, prompt: list[int] | str, max_tokens: int) -> dict[str, Any]:

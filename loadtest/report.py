@@ -78,22 +78,28 @@ def table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
     return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header), *("| " + " | ".join(str(c) for c in row) + " |" for row in rows), ""]
 
 
-def bars(title: str, ylabel: str, groups: dict[str, dict[str, Any]]) -> Plot:
+def bars(title: str, ylabel: str, groups: dict[str, dict[str, Any]], panels: bool = False) -> Plot:
     """Grouped bars: a group per key of `groups`, a bar per series in it; a spread ({"median", "min",
-    "max"}) draws its median with the min–max as an error bar; None draws nothing."""
+    "max"}) draws its median with the min–max as an error bar; None draws nothing. `panels`: each group
+    on axes of its own, titled with its key (for groups of different units)."""
     def draw(plt):
         series = list(dict.fromkeys(k for g in groups.values() for k in g))
-        fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(groups) * max(len(series), 1)), 4.5))
+        parts = [{g: v} for g, v in groups.items()] if panels else [groups]
+        size = (4.0 * len(parts), 4.5) if panels else (max(6.0, 1.2 * len(groups) * max(len(series), 1)), 4.5)
+        fig, axes = plt.subplots(1, len(parts), figsize=size, squeeze=False)
         width = 0.8 / max(len(series), 1)
-        for i, name in enumerate(series):
-            values = [groups[g].get(name) for g in groups]
-            med = [(v["median"] if isinstance(v, dict) else v) or 0.0 for v in values]
-            err = [[m - v["min"] if isinstance(v, dict) else 0 for m, v in zip(med, values, strict=True)],
-                   [v["max"] - m if isinstance(v, dict) else 0 for m, v in zip(med, values, strict=True)]]
-            ax.bar([k + i * width for k in range(len(groups))], med, width, yerr=err if any(map(any, err)) else None, capsize=4, label=name)
-        ax.set_xticks([k + width * (len(series) - 1) / 2 for k in range(len(groups))], list(groups), fontsize=8)
-        ax.set(title=title, ylabel=ylabel)
-        ax.legend(fontsize=7)
+        for ax, part in zip(axes[0], parts, strict=True):
+            for i, name in enumerate(series):
+                values = [part[g].get(name) for g in part]
+                med = [(v["median"] if isinstance(v, dict) else v) or 0.0 for v in values]
+                err = [[m - v["min"] if isinstance(v, dict) else 0 for m, v in zip(med, values, strict=True)],
+                       [v["max"] - m if isinstance(v, dict) else 0 for m, v in zip(med, values, strict=True)]]
+                ax.bar([k + i * width for k in range(len(part))], med, width, yerr=err if any(map(any, err)) else None, capsize=4, label=name)
+            ax.set_xticks([k + width * (len(series) - 1) / 2 for k in range(len(part))], [] if panels else list(part), fontsize=8)
+            ax.set(title=next(iter(part)) if panels else title, ylabel=ylabel)
+            ax.legend(fontsize=7)
+        if panels:
+            fig.suptitle(title)
         return fig
 
     return draw

@@ -146,16 +146,13 @@ def measure(names: list[str], model: str, engine: dict[str, Any], opts: Any, voc
     """Each anchor in a worker process of its own, one after the other; {name: {"runs": [...]} or {"error": "..."}}."""
     out: dict[str, Any] = {}
     for name in names:
-        started, worker = time.monotonic(), None
+        started = time.monotonic()
         try:
-            worker = Worker("loadtest.serving_anchors:Anchor", {"anchor": name, "model": model, "engine": engine, "vocab": vocab,
-                                                               "prompt_len": opts.prompt_len, "output_len": opts.output_len,
-                                                               "repeats": opts.repeats, "concurrency": opts.anchor_concurrency}, 1800)
-            out[name] = {"runs": worker.call("run")}
+            with Worker("loadtest.serving_anchors:Anchor", {"anchor": name, "model": model, "engine": engine, "vocab": vocab,
+                                                           "prompt_len": opts.prompt_len, "output_len": opts.output_len,
+                                                           "repeats": opts.repeats, "concurrency": opts.anchor_concurrency}, 1800) as worker:
+                out[name] = {"runs": worker.call("run")}
         except WorkerError as exc:
             out[name] = {"error": str(exc).splitlines()[0][:300]}
-        finally:
-            if worker:
-                worker.stop()
         print(f"[bench-serving] anchor {name}: {json.dumps(out[name])[:300]} ({time.monotonic() - started:.0f} s)", flush=True)
     return out

@@ -1,6 +1,6 @@
 """The serving path's ceiling: the null backend (serve_app/backends/null.py) behind the real Serve app. A point = a
 deployment (ingress replicas, stream batching, multiplexing, profile) × a load (streams × output tokens, all
-started at once). The client reads raw SSE bytes (`Completions.reads`: its own cost small, counted apart).
+started at once). The client reads raw SSE bytes (`Completions.raw_stream`: its own cost small, counted apart).
 Per point: tokens/s carried against what the null engine makes alone; CPU ms per output token per process
 group (the replica's serving work = its process less the null engine's thread, found by name in /proc); TTFT
 and the gaps between a stream's reads (ITL).
@@ -9,7 +9,6 @@ and the gaps between a stream's reads (ITL).
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
 from typing import Any
 
 from loadtest import machine, report
@@ -28,20 +27,13 @@ PROFILES = ("default", "direct")
 EXPERIMENTAL_PROFILES = ("haproxy",)
 # a column appears only for the groups a report measured
 GROUP_ORDER = ("HTTP proxy", "ingress", "LLMServer replicas", "Ray core (raylet, GCS, ...)", "Serve controller", "null engine thread", "client")
+NULL_STEP_TIME_S, NULL_MAX_NUM_SEQS, NULL_INGRESS = 0.02, 256, (1, 2)  # the null engine's step, its batch cap, ingress replicas
 
 
-@dataclass(frozen=True)
-class PathVariant:
-    ingress_replicas: int
-    batch_interval_s: float
-    profile: str = "default"
-    multiplexed: bool = False
-
-    @property
-    def label(self) -> str:
-        batching = f"batching {1000 * self.batch_interval_s:.0f} ms" if self.batch_interval_s else "batching off"
-        hops = "direct ingress + Serve throughput mode" if self.profile == "direct" else "proxy"
-        return f"{self.ingress_replicas} ingress, {batching}, {hops}" + (", multiplexed" if self.multiplexed else "")
+def label(ingress_replicas: int, batch_interval_s: float, profile: str, multiplexed: bool) -> str:
+    batching = f"batching {1000 * batch_interval_s:.0f} ms" if batch_interval_s else "batching off"
+    hops = "direct ingress + Serve throughput mode" if profile == "direct" else "proxy"
+    return f"{ingress_replicas} ingress, {batching}, {hops}" + (", multiplexed" if multiplexed else "")
 
 
 def profile_env(profile: str) -> dict[str, str]:
@@ -58,13 +50,13 @@ def profile_env(profile: str) -> dict[str, str]:
             "RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT": str(http + 5), "RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT": str(http + 9)}
 
 
-def null_app_args(model: str, variant: PathVariant, step_time_s: float, max_num_seqs: int) -> dict[str, Any]:
+def null_app_args(model: str, ingress_replicas: int, batch_interval_s: float, multiplexed: bool) -> dict[str, Any]:
     """One null-engine LLMServer replica, sized for the sweep."""
-    return {"model": model, "backend": "null", "engine": {"step_time_s": step_time_s, "max_num_seqs": max_num_seqs},
-            "num_replicas": 1, "num_cpus_per_replica": 0, "max_ongoing_requests": 2 * max_num_seqs, "max_queued_requests": 4 * max_num_seqs,
-            "ingress_num_replicas": variant.ingress_replicas, "ingress_num_cpus": 0, "ingress_max_ongoing_requests": 4 * max_num_seqs,
-            "stream_batch_interval_s": variant.batch_interval_s, "stream_multiplexing": variant.multiplexed,
-            "request_routing_stats_period_s": 0.5, "api_key_env": ""}
+    n = NULL_MAX_NUM_SEQS
+    return {"model": model, "backend": "null", "engine": {"step_time_s": NULL_STEP_TIME_S, "max_num_seqs": n}, "num_replicas": 1,
+            "num_cpus_per_replica": 0, "max_ongoing_requests": 2 * n, "max_queued_requests": 4 * n, "ingress_num_replicas": ingress_replicas,
+            "ingress_num_cpus": 0, "ingress_max_ongoing_requests": 4 * n, "stream_batch_interval_s": batch_interval_s,
+            "stream_multiplexing": multiplexed, "request_routing_stats_period_s": 0.5, "api_key_env": ""}
 
 
 def null_engine_cpu_s(procs: list) -> float:
@@ -102,17 +94,17 @@ def run_null_sweep(serve_target, run, model: str, prompts_for, opts, profile: st
     manager deploying the app, `run(coroutine)` runs on the client's event loop, `prompts_for(n)` makes n
     prompts. Direct ingress measures one ingress replica (the client talks to one replica's port)."""
     out = []
-    for ingress, interval, mux in itertools.product([1] if profile == "direct" else opts.null_ingress, opts.null_batch, opts.null_mux):
-        variant = PathVariant(ingress, interval, profile, mux == "on")
-        with serve_target(null_app_args(model, variant, opts.null_step_time, opts.null_max_num_seqs)) as target:
+    for ingress, interval, mux in itertools.product([1] if profile == "direct" else NULL_INGRESS, opts.null_batch, opts.null_mux):
+        name = label(ingress, interval, profile, mux == "on")
+        with serve_target(null_app_args(model, ingress, interval, mux == "on")) as target:
             run(measure_point(target, prompts_for(8), 16))  # warm-up
             points = []
             for streams, output_len, repeat in itertools.product(opts.null_streams, opts.null_output_lens, range(opts.null_repeats)):
                 points.append({**run(measure_point(target, prompts_for(streams), output_len)), "repeat": repeat})
-                print(f"[bench-serving] null engine, {variant.label}, {streams} streams × {output_len} tokens: {points[-1]['output_tok_s']:.0f} "
+                print(f"[bench-serving] null engine, {name}, {streams} streams × {output_len} tokens: {points[-1]['output_tok_s']:.0f} "
                       f"tok/s, serving CPU {points[-1]['serving_cpu_ms_per_token']:.3f} ms/token", flush=True)
-        out.append({"ingress_replicas": ingress, "batch_interval_s": interval, "label": variant.label, "profile": profile,
-                    "multiplexed": variant.multiplexed, "startup_s": target.startup_s, "points": points})
+        out.append({"ingress_replicas": ingress, "batch_interval_s": interval, "label": name, "profile": profile,
+                    "multiplexed": mux == "on", "startup_s": target.startup_s, "points": points})
     return out
 
 

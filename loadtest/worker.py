@@ -40,7 +40,8 @@ def _serve(target: str, opts: dict[str, Any], conn) -> None:
 
 
 class Worker:
-    """The process, its process tree's peak RSS sampled every 0.1 s (psutil; 0 without it)."""
+    """The process, its process tree's peak RSS sampled every 0.1 s (psutil; 0 without it); `with Worker(...) as w:`
+    stops it at the end of the block."""
 
     def __init__(self, target: str, opts: dict[str, Any], timeout_s: float = 3600.0) -> None:
         ctx = mp.get_context("spawn")
@@ -83,6 +84,12 @@ class Worker:
         except OSError as exc:  # (a broken pipe)
             raise WorkerError(f"{self.proc.name}: gone ({exc!r})") from exc
         return self._answer()
+
+    def __enter__(self) -> Worker:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.stop()
 
     def stop(self) -> None:
         self._halt.set()

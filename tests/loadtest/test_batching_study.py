@@ -19,7 +19,7 @@ from loadtest.batching_model import (
     summarize_policy,
     timeline_segments,
 )
-from loadtest.bench_batching import body, engine_kwargs, parse_args, parse_policy, plots
+from loadtest.bench_batching import body, engine_kwargs, parse_args, plots
 
 
 def test_trace_is_seeded_poisson_with_mixed_lengths():
@@ -92,21 +92,16 @@ def test_compare_ratios():
     assert compare({"continuous": r["continuous"]}) == {}
 
 
-def test_policy_specs_and_engine_options():
-    assert parse_policy("static") == ("static", "static", 0)
-    assert parse_policy("static:8") == ("static-b8", "static", 8)
-    for bad in ("continuous:8", "static:x", "static:0", "fifo"):
-        with pytest.raises(ValueError):
-            parse_policy(bad)
+def test_policies_and_engine_options():
     args = parse_args(["--max-num-seqs", "16", "--static-timeout-s", "1.5"])
     assert args.policies == ["static", "dynamic", "continuous"]
     assert engine_kwargs(args, "static") == {**engine_kwargs(args, "continuous"), "batching": "static",
                                              "batch_size": 16, "batch_timeout_s": 1.5}
-    assert engine_kwargs(args, "static", 8)["batch_size"] == 8
     assert engine_kwargs(args, "dynamic")["batch_timeout_s"] == 0.0
     assert "batch_size" not in engine_kwargs(args, "continuous")
+    assert parse_args(["--policies", "continuous"]).policies == ["continuous"]
     with pytest.raises(SystemExit):
-        parse_args(["--policies", "static,lifo"])
+        parse_args(["--policies", "lifo"])
 
 
 def _policy(name: str, tok_s: float, ttft: float, batching: str) -> dict:
