@@ -32,6 +32,7 @@ from loadtest.batching_model import (
     timeline_segments,
 )
 from loadtest.report import num, table
+from serve_app.types import GenerateRequest, SamplingParams
 from tests.recording_logger import RecordingLogger
 
 POLICIES = ("static", "dynamic", "continuous")
@@ -54,8 +55,6 @@ def engine_kwargs(args: argparse.Namespace, batching: str) -> dict[str, Any]:
 async def _replay(engine, trace: list[TraceRequest], policy: str, timeout_s: float) -> tuple[list[RequestResult], float, bool, float]:
     """Each request sent at its arrival time; (results relative to the trace start, the start (monotonic),
     whether all finished in time, the largest send lag)."""
-    from serve_app.types import GenerateRequest, SamplingParams
-
     t0, finals, lags = time.monotonic() + 0.1, {}, []
 
     async def one(req: TraceRequest) -> None:
@@ -218,7 +217,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     import torch
     from transformers import AutoConfig
@@ -261,8 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     paths = report.write(committed, args.out_dir, "batching", "W2 batching study: static vs dynamic vs continuous on one trace",
                          body(results), plots(results))
     log("wrote " + ", ".join(map(str, paths)))
-    return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    main()

@@ -21,6 +21,7 @@ from loadtest import report, server
 from loadtest.bench_routing import request_router, two_replicas
 from loadtest.report import num, table
 from loadtest.stats import percentile, ratio
+from serve_app.types import GenerateRequest, SamplingParams
 from tests.replica_probe import read_probes
 
 ROUTERS = ("prefix_aware", "kv_aware", "pow2", "round_robin", "ray_prefix")
@@ -37,8 +38,6 @@ TARGETS = (  # (workload, metric, router, the router it is divided by or None (a
 
 async def run_script(handle: Any, tokenizer: Any, script: pw.Script, tag: str, index: int, order: list[int]) -> list[dict[str, Any]]:
     """A script's steps in turn; a chat re-sends its history with each reply."""
-    from serve_app.types import GenerateRequest, SamplingParams
-
     loop, out, history, previous = asyncio.get_running_loop(), [], [], None
     for turn, step in enumerate(script.steps):
         request_id, params = f"{tag}-{index}-{turn}", SamplingParams(max_tokens=step.max_tokens, temperature=0.0, ignore_eos=True)

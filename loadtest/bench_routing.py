@@ -22,6 +22,7 @@ from loadtest import report, server
 from loadtest.report import num, table
 from loadtest.stats import percentile, ratio
 from serve_app.serving.routing_config import ROUTER_CLASSES
+from serve_app.types import GenerateRequest, SamplingParams
 from tests.replica_probe import FACTORY, read_probes
 
 ROUTERS = ("pow2", "kv_aware", "round_robin")  # the first deployed calibrates the rate: the baseline
@@ -139,8 +140,6 @@ def request_router(handle: Any) -> Any:
 # ---- load ----------------------------------------------------------------------------------------------
 async def send(handle: Any, request_id: str, prompt: list[int], max_tokens: int, start: float) -> tuple[float | None, float, int]:
     """One streamed generation through the handle; (TTFT, e2e, output tokens) from `start` (loop clock)."""
-    from serve_app.types import GenerateRequest, SamplingParams
-
     loop, ttft, tokens = asyncio.get_running_loop(), None, 0
     request = GenerateRequest(request_id, prompt=prompt, sampling_params=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
     async for chunk in handle.options(stream=True).generate.remote(request):

@@ -28,6 +28,7 @@ from loadtest.bench_engine import make_prompts
 from loadtest.client import Completions, Stream, burst
 from loadtest.report import cell, table
 from loadtest.stats import percentile, spread
+from serve_app.types import GenerateRequest, SamplingParams
 
 # one event loop for every measurement: the HTTP client's pooled connections belong to it
 LOOP = asyncio.new_event_loop()
@@ -51,8 +52,6 @@ class DirectTarget:
         self.engine, self._ids = AsyncLLMEngine.from_kwargs(model, **engine_kwargs), itertools.count()
 
     async def stream(self, prompt: list[int], max_tokens: int) -> Stream:
-        from serve_app.types import GenerateRequest, SamplingParams
-
         s = Stream(time.perf_counter())
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         async for out in self.engine.generate(GenerateRequest(f"bench-{next(self._ids)}", prompt=prompt, sampling_params=params)):

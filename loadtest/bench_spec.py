@@ -172,21 +172,19 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def targets(rows: list[dict[str, Any]]) -> list[tuple[str, str, bool]]:
     """(target, measured, met) for W5's targets, from this run's rows."""
-    def row(workload: str, c: int, setting: str) -> dict[str, Any] | None:
-        return next((r for r in rows if (r["workload"], r["concurrency"], r["setting"]) == (workload, c, setting)), None)
-
+    row = {(r["workload"], r["concurrency"], r["setting"]): r for r in rows}.get
     levels, out = sorted({r["concurrency"] for r in rows}), []
     if not levels:
         return out
-    ours, theirs = row("grounded", levels[0], "native adaptive"), row("grounded", levels[0], "vLLM ngram k=4")
+    ours, theirs = row(("grounded", levels[0], "native adaptive")), row(("grounded", levels[0], "vLLM ngram k=4"))
     if ours and theirs and ours["speedup"] and theirs["speedup"]:
         out.append((f"grounded, concurrency {levels[0]}: adaptive's speedup over off >= vLLM n-gram's over its off",
                     f"{ours['speedup']:.2f}x vs {theirs['speedup']:.2f}x", ours["speedup"] >= theirs["speedup"]))
-    if (top := row("grounded", levels[-1], "native adaptive")) and top["speedup"]:
+    if (top := row(("grounded", levels[-1], "native adaptive"))) and top["speedup"]:
         out.append((f"grounded, concurrency {levels[-1]}: adaptive >= 0.97x off", f"{top['speedup']:.2f}x", top["speedup"] >= 0.97))
     for workload in sorted({r["workload"] for r in rows}):
         for c in levels:
-            adaptive, fixed = row(workload, c, "native adaptive"), [r for k in ("native k=2", "native k=4") if (r := row(workload, c, k))]
+            adaptive, fixed = row((workload, c, "native adaptive")), [r for k in ("native k=2", "native k=4") if (r := row((workload, c, k)))]
             if adaptive and fixed:
                 best = max(fixed, key=lambda r: r["tok_s"])
                 out.append((f"{workload}, concurrency {c}: adaptive within 5% of the best fixed k ({best['setting']})",
@@ -224,7 +222,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     results = report.start("bench_spec")
     table_ = QUICK_REQUESTS if args.quick else REQUESTS_PER_LEVEL
@@ -254,8 +252,7 @@ def main(argv: list[str] | None = None) -> int:
                      f"{w} {s}": [(r["concurrency"], r["speedup"]) for r in results["rows"] if (r["workload"], r["setting"]) == (w, s)]
                      for w, s in dict.fromkeys((r["workload"], r["setting"]) for r in results["rows"] if r["speedup"] and r["setting"] not in BASELINE.values())},
                      log="x")})
-    return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    main()

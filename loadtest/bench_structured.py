@@ -19,6 +19,7 @@ from loadtest.engines import vllm_cpu_env
 from loadtest.report import table
 from loadtest.stats import percentile
 from loadtest.worker import Worker, WorkerError
+from serve_app.types import StructuredOutput
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 40}, "price_usd": {"type": "integer", "minimum": 1, "maximum": 100000},
@@ -66,7 +67,6 @@ class Structured:
         ids = ids or self.ids
         if self.native:
             from serve_app.engine import SamplingParams
-            from serve_app.types import StructuredOutput
 
             self.llm.reset_prefix_cache()
             self.masks.check_greedy = not mask_whole
@@ -96,8 +96,6 @@ class Structured:
 
     def compile_first_seen(self, count: int) -> list[float]:
         """Compile `count` schemas never seen before (the product schema with a renamed property)."""
-        from serve_app.types import StructuredOutput
-
         times = []
         for i in range(count):
             schema = json.dumps(SCHEMA).replace("in_stock", f"in_stock_{i}_{time.time_ns()}")

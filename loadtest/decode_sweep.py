@@ -47,7 +47,7 @@ def decode_batch(b: int, context: int, block_size: int) -> SchedulerOutput:
                                  for i in range(b)), b)
 
 
-def main() -> int:
+def main() -> None:
     p = report.Parser(__doc__, "build/decode-sweep-quick", model=True, batch_sizes="1,4,16", steps=5, context=64)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="bfloat16")
@@ -95,8 +95,7 @@ def main() -> int:
         f"Decode step, {results['device']}, {args.dtype}", "batch size (sequences)", "ms per step", {
             "decode step (median)": [(r["batch"], r["step_ms"]) for r in results["rows"]],
             "weight + KV streaming floor": [(r["batch"], r["floor_ms"]) for r in results["rows"]]}, log="xy")})
-    return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    main()

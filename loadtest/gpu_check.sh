@@ -4,9 +4,9 @@
 # decode-step sweep (python -m loadtest.decode_sweep, batch 1-256 with CUDA graphs; at batch 1 and 64 without),
 # then a summary with their targets. Outputs in $OUT, else reports/gpu/ (not reports/, whose CPU
 # engine_throughput.* it would overwrite), under a deadline of $BUDGET_S (540) s. Knobs: OUT, BUDGET_S, VENV,
-# PYTHON, MODEL_DIR, BENCH_ENGINES (native,hf,vllm), BENCH_ARGS, SWEEP_ARGS, TORCH_CUDA_INDEX_URL,
-# CONVERT_MODEL=0 (never make model), GPU_CHECK_DEVICE=cpu (a dry run without a GPU, e.g. with
-# BENCH_ARGS=--quick). Exit status 0 when the tests, the benchmark and the sweep all succeeded.
+# PYTHON, MODEL_DIR, BENCH_ENGINES (native,hf,vllm), BENCH_ARGS, SWEEP_ARGS, GPU_CHECK_DEVICE=cpu (a dry run
+# without a GPU, e.g. with BENCH_ARGS=--quick). It installs nothing (the project's GPU machines are offline).
+# Exit status 0 when the tests, the benchmark and the sweep all succeeded.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -39,9 +39,7 @@ has_cuda() {  # (any torch for a dry run on the CPU)
 }
 
 # ---- 0. the machine; 1. a Python with a CUDA torch: $VENV's (default .venv-gpu; never .venv, the CPU venv);
-# else the system python ($PYTHON) with PYTHONPATH=. when it has what the tests import (a GPU machine without
-# network); else, when pip's index answers, `make install VENV=$VENV`, then torch==2.13.0 from
-# $TORCH_CUDA_INDEX_URL if that installed a CPU build ------------------------------------------------
+# else the system python ($PYTHON) with PYTHONPATH=. when it has what the tests import -----------------------
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | tee -a "$LOG" \
     || say "no nvidia-smi (continuing: torch decides whether CUDA is usable)"
 if [[ -x "$VENV/bin/python" ]] && has_cuda "$VENV/bin/python"; then
@@ -49,31 +47,21 @@ if [[ -x "$VENV/bin/python" ]] && has_cuda "$VENV/bin/python"; then
 elif has_cuda "$SYS_PY" && "$SYS_PY" -c 'import torch, transformers, safetensors, tokenizers, jinja2, numpy, pytest' >/dev/null 2>&1; then
     PY="$SYS_PY"
     export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-else  # pip's index must answer: offline, each pip call of `make install` fails only after minutes of retries
-    timeout 15 "$SYS_PY" -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=5)' "${PIP_INDEX_URL:-https://pypi.org/simple/}" \
-        >/dev/null 2>&1 || die "no usable CUDA torch here ($VENV, $SYS_PY) and no network to install one"
-    timeout "$(budget 300 300)" make install VENV="$VENV" >>"$LOG" 2>&1 || die "make install failed (see $LOG)"
-    if ! has_cuda "$VENV/bin/python" && [[ -n "${TORCH_CUDA_INDEX_URL:-}" ]]; then
-        timeout "$(budget 240 300)" "$VENV/bin/pip" install -q --force-reinstall --no-deps torch==2.13.0 \
-            --index-url "$TORCH_CUDA_INDEX_URL" >>"$LOG" 2>&1 || die "CUDA torch install failed (see $LOG)"
-    fi
-    has_cuda "$VENV/bin/python" || die "torch in $VENV cannot use CUDA (CPU wheel?); set TORCH_CUDA_INDEX_URL"
-    PY="$VENV/bin/python"
+else
+    die "no usable CUDA torch here ($VENV, $SYS_PY): make a venv with one (make install VENV=$VENV, then a CUDA build of torch)"
 fi
 "$PY" -c 'import torch, transformers, sys
 print(f"{sys.executable}: python {sys.version.split()[0]}, torch {torch.__version__} (CUDA {torch.version.cuda}), transformers {transformers.__version__}")' \
     2>&1 | tee -a "$LOG" || say "$PY cannot import torch and transformers (continuing: the steps below say what fails)"
 
-# ---- 2. the model: $MODEL_DIR as it is, else `make model`; with only its small files there (config, tokenizer,
-# chat template), random weights with its architecture (build/random-model, marked RANDOM_WEIGHTS): token
-# exactness and throughput still mean something, the GPU tests skip the text check ---------------------
+# ---- 2. the model: $MODEL_DIR as it is; with only its small files there (config, tokenizer, chat template),
+# random weights with its architecture (build/random-model, marked RANDOM_WEIGHTS): token exactness and
+# throughput still mean something, the GPU tests skip the text check -----------------------------------------
 if [[ ! -f "$MODEL_DIR/model.safetensors" || ! -f "$MODEL_DIR/config.json" ]]; then
-    if [[ "$PY" == "$VENV/bin/python" && "${CONVERT_MODEL:-1}" != 0 ]] \
-        && timeout "$(budget 240 180)" make model VENV="$VENV" MODEL_DIR="$MODEL_DIR" >>"$LOG" 2>&1; then
-        say "model converted into $MODEL_DIR"
-    elif [[ -f "$MODEL_DIR/config.json" && -f "$MODEL_DIR/tokenizer.json" ]]; then
-        say "no weights in $MODEL_DIR and no way to convert them: RANDOM weights with its architecture and tokenizer"
-        "$PY" - "$MODEL_DIR" build/random-model <<'EOF' 2>&1 | tee -a "$LOG" || die "could not write the random-weight model (see $LOG)"
+    [[ -f "$MODEL_DIR/config.json" && -f "$MODEL_DIR/tokenizer.json" ]] \
+        || die "no model in $MODEL_DIR: copy a converted model directory there (make model)"
+    say "no weights in $MODEL_DIR: RANDOM weights with its architecture and tokenizer"
+    "$PY" - "$MODEL_DIR" build/random-model <<'EOF' 2>&1 | tee -a "$LOG" || die "could not write the random-weight model (see $LOG)"
 import shutil, sys, torch
 from pathlib import Path
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -85,10 +73,7 @@ for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "
         shutil.copy2(like / name, out / name)
 (out / "RANDOM_WEIGHTS").write_text(f"random weights (seed 0) with the architecture of {like}\n")
 EOF
-        MODEL_DIR=build/random-model
-    else
-        die "no model in $MODEL_DIR and make model failed (see $LOG); copy a converted model directory there"
-    fi
+    MODEL_DIR=build/random-model
 fi
 say "model: $MODEL_DIR"
 

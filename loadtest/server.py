@@ -69,12 +69,9 @@ def probed(namespace: str) -> Iterator[Path]:
     directory yielded; removed at the end."""
     from tests.replica_probe import PROBE_DIR_ENV
 
-    probe_dir = Path(tempfile.mkdtemp(prefix=f"{namespace}-probes-"))
-    try:
-        with ray_started(namespace, {PROBE_DIR_ENV: str(probe_dir)}), serve_http():
-            yield probe_dir
-    finally:
-        shutil.rmtree(probe_dir, ignore_errors=True)
+    with (tempfile.TemporaryDirectory(prefix=f"{namespace}-probes-", ignore_cleanup_errors=True) as probe_dir,
+          ray_started(namespace, {PROBE_DIR_ENV: probe_dir}), serve_http()):
+        yield Path(probe_dir)
 
 
 @contextlib.contextmanager
