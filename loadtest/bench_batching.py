@@ -211,7 +211,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--max-num-seqs", type=int, default=32, help="the batch cap, every policy")
     p.add_argument("--static-timeout-s", type=float, default=2.0, help="static: the longest wait for a full batch")
-    for flag, kind, default in (("--seed", int, 0), ("--threads", int, 0), ("--max-num-batched-tokens", int, 2048), ("--kv-cache-gib", float, 1.0),
+    for flag, kind, default in (("--seed", int, 0), ("--max-num-batched-tokens", int, 2048), ("--kv-cache-gib", float, 1.0),
                                 ("--policy-timeout-s", float, 300.0)):
         p.add_argument(flag, type=kind, default=default)
     return p.parse_args(argv)
@@ -222,8 +222,6 @@ def main(argv: list[str] | None = None) -> None:
     import torch
     from transformers import AutoConfig
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     results = report.start("bench_batching")
     vocab = AutoConfig.from_pretrained(args.model).vocab_size
 

@@ -142,12 +142,6 @@ def main(argv: list[str] | None = None) -> int:
         worker.stop()
         results["engines"][name]["peak_rss_mib"] = worker.peak_rss / 2**20
 
-    def measure_floor() -> dict[str, Any]:
-        try:
-            return floor.call("measure")
-        except WorkerError as exc:
-            return {"error": str(exc)}
-
     log("compute floor: matmul rates at this run's decode and prefill shapes, measured before every run")
     floor = Worker("loadtest.compute_floor:Floor", opts)
     try:
@@ -167,7 +161,11 @@ def main(argv: list[str] | None = None) -> int:
                 log(f"{name}: FAILED to start: {exc}")
         for rep in range(args.repeats):
             for name in interleaved(list(workers), rep):
-                e, measured = results["engines"][name], measure_floor()
+                e = results["engines"][name]
+                try:
+                    measured = floor.call("measure")
+                except WorkerError as exc:
+                    measured = {"error": str(exc)}
                 results["compute_floors"].append({**measured, "repeat": rep, "engine": name})
                 busy, ours, wall = machine.busy_cpu_s(), machine.own_cpu_s(), time.perf_counter()
                 try:

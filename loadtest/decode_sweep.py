@@ -55,14 +55,12 @@ def main() -> None:
     p.add_argument("--context", type=int, default=256, help="tokens of context per request")
     p.add_argument("--steps", type=int, default=50, help="timed steps per batch size")
     p.add_argument("--block-size", type=int, default=16, help="KV block size (tokens)")
-    p.add_argument("--attention-backend", default="auto")
     p.add_argument("--enforce-eager", action="store_true", help="CUDA: no graphs")
     args = p.parse_args()
     sizes, device = [int(b) for b in args.batch_sizes.split(",")], torch.device(args.device)
     results = report.start("decode_sweep", args.device)
-    cfg = EngineConfig.from_kwargs(args.model, dtype=args.dtype, device=args.device, attention_backend=args.attention_backend,
-                                   enforce_eager=args.enforce_eager, max_num_seqs=max(sizes), block_size=args.block_size,
-                                   num_blocks=max(sizes) * -(-args.context // args.block_size) + 1)
+    cfg = EngineConfig.from_kwargs(args.model, dtype=args.dtype, device=args.device, enforce_eager=args.enforce_eager, max_num_seqs=max(sizes),
+                                   block_size=args.block_size, num_blocks=max(sizes) * -(-args.context // args.block_size) + 1)
     runner = ModelRunner(cfg.model, cfg.cache, cfg.model.hf_config(), cfg.scheduler)
     bandwidth, w_bytes = copy_bandwidth(device, 1 << 30 if device.type == "cuda" else 1 << 28), weight_bytes(runner)
     kv_token = kv_cache_bytes_per_block(runner.args, 1, runner.dtype)

@@ -16,8 +16,8 @@ import logging
 import os
 import random
 import time
+import types
 import urllib.request
-from dataclasses import dataclass, field
 
 from locust import constant, events, task
 from locust.contrib.fasthttp import FastHttpUser
@@ -31,19 +31,8 @@ logger = logging.getLogger("llm-locust")
 FAILURE_BACKOFF_S = 1.0
 
 
-@dataclass
-class RunState:
-    """What every user of this process shares: resolved options, the Poisson clock, the records."""
-
-    model: str = ""
-    base: str = ""
-    arrivals: PoissonArrivals | None = None
-    records: list[dict] = field(default_factory=list)
-    user_index: int = 0
-    process_seed: int = 0
-
-
-STATE = RunState()
+# what every user of this process shares (set as the test starts): resolved options, the Poisson clock, the records
+STATE = types.SimpleNamespace(model="", base="", arrivals=None, records=[], user_index=0, process_seed=0)
 
 
 @events.init_command_line_parser.add_listener
