@@ -27,7 +27,10 @@ from pathlib import Path
 from typing import Any
 
 from loadtest import machine, report, server
+from loadtest.bench_serving import direct_ingress_url
 from loadtest.report import cell, table
+from loadtest.serving_anchors import vllm_server
+from loadtest.serving_path import profile_env
 from loadtest.stats import interleaved, paired_ratios, spread
 
 GUIDELLM = os.environ.get("GUIDELLM") or str(server.REPO / ".venv-guidellm" / "bin" / "guidellm")  # the environment's names another
@@ -85,20 +88,17 @@ def guidellm_version() -> str:
 
 
 @contextlib.contextmanager
-def our_server(config: str, direct: bool) -> Iterator[str]:
-    """Our app from `config` on a private Ray; `direct`: `SERVE_PROFILE=direct`'s environment, the ingress replica's own port."""
-    from loadtest.bench_serving import direct_ingress_url
-    from loadtest.serving_path import profile_env
-
+def started(name: str, opts: argparse.Namespace) -> Iterator[str]:
+    """The server `name` (LABELS), started fresh, until the block ends; yields its base URL. Ours: `opts.config`'s app on a
+    private Ray; ours-direct: with `SERVE_PROFILE=direct`'s environment, on the ingress replica's own port."""
+    if name == "vllm":
+        with vllm_server(opts.model, Path(opts.model).name) as url:
+            yield url
+        return
+    direct = name == "ours-direct"
     with (server.ray_started("bench-guidellm", profile_env("direct" if direct else "default")), server.serve_http() as base_url,
-          server.deployed(server.config_args(config), "llm")):
+          server.deployed(server.config_args(opts.config), "llm")):
         yield direct_ingress_url() if direct else base_url
-
-
-def started(name: str, opts: argparse.Namespace) -> contextlib.AbstractContextManager[str]:
-    from loadtest.serving_anchors import vllm_server
-
-    return vllm_server(opts.model, Path(opts.model).name) if name == "vllm" else our_server(opts.config, name == "ours-direct")
 
 
 def warm_up(url: str) -> None:
