@@ -172,7 +172,8 @@ def main() -> None:
     add("--url", help="an already running server's base URL: run GuideLLM against it only (its report in build/guidellm by default)")
     add("--raw-dir", default="build/guidellm-runs", help="GuideLLM's own report and console output of each comparison run")
     for flag, kind, default, help_ in (("--repeats", int, 2, "runs per server"), ("--seconds", float, 40.0, "each GuideLLM run's duration"),
-                                       ("--concurrency", int, 16, "streams"), ("--prompt-tokens", int, 128, None), ("--output-tokens", int, 64, None)):
+                                       ("--concurrency", int, 16, "streams"), ("--prompt-tokens", int, 128, None),
+                                       ("--output-tokens", int, 64, None)):
         add(flag, type=kind, default=default, help=help_)
     add("--config", default="configs/local.yaml", help="the Serve config our server is deployed from")
     add("--direct", action="store_true", help="also ours with SERVE_PROFILE=direct (direct ingress + Serve's throughput mode)")

@@ -26,6 +26,11 @@ TARGET_GROWTH = 0.02
 SETTLE_S = 6.0  # > IdleHeapTrimmer's interval
 
 
+def rss(pids: dict[str, int]) -> dict[str, int]:
+    """Each replica's resident set, bytes."""
+    return {name: machine.rss_bytes(machine.tree(pid)[:1]) for name, pid in pids.items()}
+
+
 def replica_pids() -> dict[str, int]:
     import ray
 
@@ -79,7 +84,7 @@ def main() -> None:
     results.update({k: getattr(opts, k) for k in ("replicas", "round_size", "rounds", "concurrency", "max_tokens")}, points=[])
     with server.ray_started(APP), server.serve_http() as base_url, server.deployed(args, APP):
         client, loop, pids, sent = Completions(base_url, Path(args["model"]).name), asyncio.new_event_loop(), replica_pids(), 0
-        results["points"].append({"requests": 0, "rss": {n: machine.rss_bytes(machine.tree(p)[:1]) for n, p in pids.items()}})
+        results["points"].append({"requests": 0, "rss": rss(pids)})
         for round_index in range(opts.rounds + 1):
             started = time.monotonic()
             outcomes = loop.run_until_complete(run_round(client, sent, opts.round_size, opts.concurrency, opts.max_tokens))
@@ -87,8 +92,7 @@ def main() -> None:
             server.wait_idle(APP)
             time.sleep(SETTLE_S)  # idle replicas give their freed heap back (serve_app.serving.heap_trim)
             assert replica_pids() == pids, "a replica was replaced during the soak"
-            results["points"].append({"requests": sent, "rss": {n: machine.rss_bytes(machine.tree(p)[:1]) for n, p in pids.items()}, "outcomes": dict(outcomes),
-                                      "round_s": time.monotonic() - started})
+            results["points"].append({"requests": sent, "rss": rss(pids), "outcomes": dict(outcomes), "round_s": time.monotonic() - started})
             print(f"[soak] {'warm-up' if round_index == 0 else f'round {round_index}/{opts.rounds}'}: {sent} requests, {dict(outcomes)}, RSS MiB "
                   + ", ".join(f"{n}={v / 2**20:.1f}" for n, v in results["points"][-1]["rss"].items()), flush=True)
         loop.run_until_complete(client.aclose())
