@@ -92,7 +92,7 @@ def started(name: str, opts: argparse.Namespace) -> Iterator[str]:
     """The server `name` (LABELS), started fresh, until the block ends; yields its base URL. Ours: `opts.config`'s app on a
     private Ray; ours-direct: with `SERVE_PROFILE=direct`'s environment, on the ingress replica's own port."""
     if name == "vllm":
-        with vllm_server(opts.model, Path(opts.model).name) as url:
+        with vllm_server(str(Path(opts.model).resolve()), Path(opts.model).name) as url:  # (vLLM reads a relative path as a hub id)
             yield url
         return
     direct = name == "ours-direct"
