@@ -281,10 +281,13 @@ def parse_args() -> argparse.Namespace:
                            anchor_concurrency=[8], null_streams=[64], null_output_lens=[128], null_repeats=1)
     add, profiles = parser.add_argument, serving_path.PROFILES
     add("--config", default="configs/local.yaml", help="Serve YAML whose first application's args are used")
+    add("--replicas", type=int, nargs="+", default=[1], help="LLMServer replica counts")
+    add("--replica-threads", type=int, nargs="+", default=[0], help="torch threads per replica per --replicas entry (0: all cores)")
     for flag, default in (("--repeats", 3), ("--ttft-requests", 16), ("--prompt-len", 128), ("--output-len", 64), ("--null-repeats", 2)):
         add(flag, type=int, default=default)
     for flag, kind, default in (("--concurrency", int, [8, 32, 64]), ("--anchor-concurrency", int, [32]), ("--null-streams", int, [64, 256]),
-                                ("--null-output-lens", int, [128, 512]), ("--null-batch", float, [0.0, 0.05])):
+                                ("--null-output-lens", int, [128, 512]), ("--null-ingress", int, [1, 2]),
+                                ("--null-batch", float, [0.0, 0.05])):
         add(flag, type=kind, nargs="+", default=default)
     add("--null-mux", nargs="+", default=["off", "on"], choices=("off", "on"), help="stream_multiplexing values, null engine")
     add("--null-profiles", nargs="+", default=list(profiles), choices=profiles, help="default: through the proxy; direct: direct ingress")
@@ -323,13 +326,13 @@ def main() -> None:
         try:
             for profile in [p for p in opts.real_profiles if haproxy_alone or p != "haproxy"]:
                 with server.ray_started("bench-serving", envs[profile]):
-                    for mux, batch in itertools.product(["off"] if profile == "haproxy" else opts.real_mux,
-                                                        opts.real_batch or [args.get("stream_batch_interval_s", 0.0)]):
-                        # one LLMServer replica on every core
-                        variant_args = {**args, "num_replicas": 1, "torch_num_threads": 0, "stream_multiplexing": mux == "on",
+                    for (replicas, threads), mux, batch in itertools.product(zip(opts.replicas, opts.replica_threads, strict=True),
+                                                                             ["off"] if profile == "haproxy" else opts.real_mux,
+                                                                             opts.real_batch or [args.get("stream_batch_interval_s", 0.0)]):
+                        variant_args = {**args, "num_replicas": replicas, "torch_num_threads": threads, "stream_multiplexing": mux == "on",
                                         "stream_batch_interval_s": batch}
                         variant = run_variant(direct, variant_args, opts, vocab, seed_base=100_000 * len(results["variants"]))
-                        results["variants"].append({**variant, "torch_threads_per_replica": os.cpu_count(), "profile": profile,
+                        results["variants"].append({**variant, "torch_threads_per_replica": threads or os.cpu_count(), "profile": profile,
                                                     "batch_interval_s": batch})
         finally:
             direct.engine.shutdown()

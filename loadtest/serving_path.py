@@ -27,7 +27,7 @@ PROFILES = ("default", "direct")
 EXPERIMENTAL_PROFILES = ("haproxy",)
 # a column appears only for the groups a report measured
 GROUP_ORDER = ("HTTP proxy", "ingress", "LLMServer replicas", "Ray core (raylet, GCS, ...)", "Serve controller", "null engine thread", "client")
-NULL_STEP_TIME_S, NULL_MAX_NUM_SEQS, NULL_INGRESS = 0.02, 256, (1, 2)  # the null engine's step, its batch cap, ingress replicas
+NULL_STEP_TIME_S, NULL_MAX_NUM_SEQS = 0.02, 256  # the null engine's step and its batch cap
 
 
 def label(ingress_replicas: int, batch_interval_s: float, profile: str, multiplexed: bool) -> str:
@@ -94,7 +94,7 @@ def run_null_sweep(serve_target, run, model: str, prompts_for, opts, profile: st
     manager deploying the app, `run(coroutine)` runs on the client's event loop, `prompts_for(n)` makes n
     prompts. Direct ingress measures one ingress replica (the client talks to one replica's port)."""
     out = []
-    for ingress, interval, mux in itertools.product([1] if profile == "direct" else NULL_INGRESS, opts.null_batch, opts.null_mux):
+    for ingress, interval, mux in itertools.product([1] if profile == "direct" else opts.null_ingress, opts.null_batch, opts.null_mux):
         name = label(ingress, interval, profile, mux == "on")
         with serve_target(null_app_args(model, ingress, interval, mux == "on")) as target:
             run(measure_point(target, prompts_for(8), 16))  # warm-up
