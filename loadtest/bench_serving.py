@@ -244,13 +244,13 @@ def anchor_lines(results: dict[str, Any]) -> list[str]:
         served = rate(name)
         rows.append([label, cell(vllm), cell(served), f"× {served['median'] / vllm['median']:.2f}" if served and vllm else "–"])
     goals = []
-    for v in (v for v in results["variants"] if v["replicas"] == 1 and str(c) in v["summary"]["throughput"]):
+    for v in (v for v in results["variants"] if str(c) in v["summary"]["throughput"]):
         t = v["summary"]["throughput"][str(c)]
-        goals.append([f"{v['torch_threads_per_replica']} thread(s), {streams_label(v)}", _versus(t["serve"], native, 0.85), _versus(t["serve"], ray_direct, 1.5),
+        goals.append([f"{v['replicas']} replica(s) × {v['torch_threads_per_replica']} thread(s), {streams_label(v)}", _versus(t["serve"], native, 0.85), _versus(t["serve"], ray_direct, 1.5),
                       f"+{v['summary']['ttft']['overhead_ms']['median']:.1f} ms ({'met' if v['summary']['ttft']['overhead_ms']['median'] <= 15 else 'not met'})"])
-        rows += [[f"ours through Ray Serve ({streams_label(v)}; vs our offline `LLM`)", cell(native), cell(t["serve"]),
+        rows += [[f"ours through Ray Serve ({v['replicas']} × {v['torch_threads_per_replica']} threads, {streams_label(v)}; vs our offline `LLM`)", cell(native), cell(t["serve"]),
                   f"× {t['serve']['median'] / native['median']:.2f}" if native else "–"],
-                 [f"ours through Ray Serve ({streams_label(v)}; vs the async engine in-process)", cell(t["direct"]), cell(t["serve"]),
+                 [f"ours through Ray Serve ({v['replicas']} × {v['torch_threads_per_replica']} threads, {streams_label(v)}; vs the async engine in-process)", cell(t["direct"]), cell(t["serve"]),
                   f"× {cell(t['serve_over_direct'], digits=2)}"]]
     return [f"## Anchors: what each stack's server delivers of its own engine ({c} streams at once)", "",
             "Same prompt and output lengths and client, one stack after the other, each in its own process (loadtest/serving_anchors.py); "

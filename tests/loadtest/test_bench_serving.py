@@ -124,7 +124,7 @@ def test_targets_read_our_rate_against_the_offline_engine_and_rays_direct_stream
                              "throughput": {"32": {"serve": spread([served]), "direct": spread([served]), "serve_over_direct": spread([1.0])}}}}
                 for mux, served, ttft in ((True, 360.0, 12.0), (False, 280.0, 20.0))]
     lines = bench_serving.anchor_lines({"anchors": {"concurrency": [32], "results": anchors}, "variants": variants})
-    goals = [line for line in lines if line.startswith("| 2 thread(s)")]
+    goals = [line for line in lines if line.startswith("| 1 replica(s) × 2 thread(s)")]
     assert len(goals) == 2
     assert "× 0.90 (met)" in goals[0] and "× 1.80 (met)" in goals[0] and "+12.0 ms (met)" in goals[0]
     assert "× 0.70 (not met)" in goals[1] and "× 1.40 (not met)" in goals[1] and "+20.0 ms (not met)" in goals[1]
