@@ -162,6 +162,7 @@ def tokens(llm: LLM, requests, speculative: bool = True) -> list[list[int]]:
     return [list(o.token_ids) for o in outs]
 
 
+@pytest.mark.heavy  # the real model over a batch, twice: about 8 s
 def test_a_constraint_changes_nothing_but_its_own_request(model_dir, tokenizer):
     """Each constrained request alone without speculation == beside unconstrained neighbours with
     n-gram speculation == again from the prefix cache; the neighbours' tokens are those they get
@@ -190,6 +191,7 @@ def test_a_constraint_changes_nothing_but_its_own_request(model_dir, tokenizer):
     assert bm.num_used_blocks == 0
 
 
+@pytest.mark.heavy  # the real model through preemption: about 5 s
 def test_preempted_constrained_requests_resume_where_they_were(model_dir, tokenizer, smol):
     cons = constrained(tokenizer)
     reference = [tokens(smol, [r], speculative=False)[0] for r in cons]

@@ -109,6 +109,7 @@ def test_known_traffic_exact_values(model_dir, recorder):
     assert metrics.num_errors == 0
 
 
+@pytest.mark.heavy  # the real model through preemption, cache hits and aborts: about 3.5 s
 def test_preemption_prefix_cache_and_abort(model_dir, recorder):
     """KV pressure → preemptions; a repeated prompt → prefix-cache hits; an abort → finish_reason=abort
     with TTFT/queue recorded but no e2e/TPOT. Gauges follow the scheduler while it is busy."""
