@@ -5,8 +5,14 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import hypothesis  # noqa: F401  (see below)
 import pytest
 import torch
+
+# Imported here, at collection, while this process has one thread. Otherwise Hypothesis's pytest
+# plugin imports it in its terminal summary, when a suite that never used it (tests/vllm) still has
+# engine threads; pytest parses each plugin module to rewrite its asserts, and CPython 3.11's `ast`
+# is not thread-safe ("SystemError: AST constructor recursion depth mismatch").
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL_DIR = REPO / "models" / "smollm2-135m-instruct"
