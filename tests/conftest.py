@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
-import hypothesis  # noqa: F401  (see below)
 import pytest
 import torch
 
-# Imported here, at collection, while this process has one thread. Otherwise Hypothesis's pytest
+# Hypothesis is imported here, at collection, while this process has one thread. Otherwise its pytest
 # plugin imports it in its terminal summary, when a suite that never used it (tests/vllm) still has
 # engine threads; pytest parses each plugin module to rewrite its asserts, and CPython 3.11's `ast`
-# is not thread-safe ("SystemError: AST constructor recursion depth mismatch").
+# is not thread-safe ("SystemError: AST constructor recursion depth mismatch"). The GPU check's
+# environment has no Hypothesis (nor its plugin): there is nothing to do.
+with contextlib.suppress(ImportError):
+    import hypothesis  # noqa: F401
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL_DIR = REPO / "models" / "smollm2-135m-instruct"
