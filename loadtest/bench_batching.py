@@ -11,11 +11,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import json
 import os
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
 from loadtest import machine, report
@@ -144,7 +142,7 @@ def body(results: dict[str, Any]) -> list[str]:
         lines += [f"Targets: continuous / static throughput **{c['output_tok_s_ratio']:.2f}x** (target ≥ {TARGET_THROUGHPUT_RATIO}x: "
                   f"{'met' if c['output_tok_s_ratio'] >= TARGET_THROUGHPUT_RATIO else '**not met**'}), TTFT p50 **{c['ttft_p50_ratio']:.2f}x** "
                   f"(target ≤ {TARGET_TTFT_RATIO}x: {'met' if c['ttft_p50_ratio'] <= TARGET_TTFT_RATIO else '**not met**'}).", ""]
-    if m := step_cost_model(results):
+    if m := results.get("step_cost_model"):
         lines += ["## Step-cost model: the bound on this machine", "",
                   f"Fit over every step (R² {m['r2']:.2f}): a step costs **{m['fixed_ms']:.1f} ms fixed + {m['per_decode_token_ms']:.2f} ms "
                   f"per decoding sequence + {m['per_prompt_token_ms']:.2f} ms per prompt token**; an ideal continuous batcher (every decode step "
@@ -251,9 +249,6 @@ def main(argv: list[str] | None = None) -> None:
             + ("" if s["complete"] else " (INCOMPLETE)"))
     results["comparison"] = compare({k: v["summary"] for k, v in results["policies"].items()})
     results["step_cost_model"] = step_cost_model(results)
-    raw = Path("build/bench-batching") / ("raw-quick.json" if args.quick else "raw.json")  # every step: what the PNGs show
-    raw.parent.mkdir(parents=True, exist_ok=True)
-    raw.write_text(json.dumps(results, default=str) + "\n")
     committed = {**results, "policies": {n: {k: v for k, v in p.items() if k != "steps"} for n, p in results["policies"].items()}}
     paths = report.write(committed, args.out_dir, "batching", "W2 batching study: static vs dynamic vs continuous on one trace",
                          body(results), plots(results))

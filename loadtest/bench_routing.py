@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtest import report, server
+from loadtest.batching_model import TraceRequest
 from loadtest.report import num, table
 from loadtest.stats import percentile, ratio
 from serve_app.serving.routing_config import ROUTER_CLASSES
@@ -46,17 +47,9 @@ class Mix:
         return round(self.long_fraction * self.long_output + (1 - self.long_fraction) * self.short_output)
 
 
-@dataclass(frozen=True)
-class TraceRequest:
-    index: int
-    arrival_s: float  # offset from the start of the trace
-    kind: str  # "long" | "short" | "uniform"
-    prompt: tuple[int, ...]
-    max_tokens: int
-
-
 def make_trace(name: str, mix: Mix, rate: float, duration_s: float, seed: int, vocab: int = 49152) -> list[TraceRequest]:
-    """Poisson arrivals at `rate`/s for `duration_s`, random prompts; `name`: "skewed" or "uniform"."""
+    """Poisson arrivals at `rate`/s for `duration_s`, random prompts, `klass` the request's kind ("long", "short" or "uniform");
+    `name`: "skewed" or "uniform"."""
     if name not in TRACES:
         raise ValueError(f"trace: one of {TRACES}, got {name!r}")
     rng, out = random.Random(seed), []
@@ -96,19 +89,14 @@ def summarize_run(results: list[RequestResult], wall_s: float, preemptions: int,
             "by_kind": {kind: {"n": len(t), "ttft_p50_s": percentile(t, 0.5), "ttft_p99_s": percentile(t, 0.99)} for kind, t in kinds.items()}}
 
 
-def compare(summaries: dict[str, dict[str, Any]], baseline: str = "pow2", candidate: str = "kv_aware") -> dict[str, float | None]:
-    """candidate ÷ baseline for TTFT p50/p99, e2e p99 and output tok/s (None where either is missing)."""
-    a, b = summaries.get(candidate, {}), summaries.get(baseline, {})
-    keys = {"ttft_p99_ratio": "ttft_p99_s", "ttft_p50_ratio": "ttft_p50_s", "e2e_p99_ratio": "e2e_p99_s", "output_tok_s_ratio": "output_tok_s"}
-    return {name: ratio(a.get(key), b.get(key)) for name, key in keys.items()}
-
-
 def compare_runs(routers: dict[str, Any], name: str) -> dict[str, Any]:
-    """KV-aware ÷ pow2 over the pooled requests of every seed, and the TTFT p99 ratio of each seed's replay."""
-    out = compare({r: v["runs"].get(name, {}) for r, v in routers.items()})
-    seeds = [v["runs"].get(name, {}).get("per_seed", []) for v in (routers.get("kv_aware", {}), routers.get("pow2", {}))]
-    out["ttft_p99_ratio_per_seed"] = [ratio(kv["ttft_p99_s"], p2["ttft_p99_s"]) for kv, p2 in zip(*seeds, strict=False)]
-    return out
+    """KV-aware ÷ pow2 on trace `name`: TTFT p50/p99, e2e p99 and output tok/s over the pooled requests of every seed
+    (None where either is missing), and the TTFT p99 ratio of each seed's replay."""
+    kv, p2 = (routers.get(router, {}).get("runs", {}).get(name, {}) for router in ("kv_aware", "pow2"))
+    keys = {"ttft_p99_ratio": "ttft_p99_s", "ttft_p50_ratio": "ttft_p50_s", "e2e_p99_ratio": "e2e_p99_s", "output_tok_s_ratio": "output_tok_s"}
+    per_seed = zip(kv.get("per_seed", []), p2.get("per_seed", []), strict=False)
+    return {**{n: ratio(kv.get(key), p2.get(key)) for n, key in keys.items()},
+            "ttft_p99_ratio_per_seed": [ratio(a["ttft_p99_s"], b["ttft_p99_s"]) for a, b in per_seed]}
 
 
 def replica_deltas(before: dict, after: dict, tag: str) -> tuple[int, dict[str, dict[str, int]]]:
@@ -155,17 +143,17 @@ async def replay(handle: Any, trace: list[TraceRequest], tag: str, drain_s: floa
     async def one(req: TraceRequest) -> RequestResult:
         await asyncio.sleep(max(0.0, t0 + req.arrival_s - loop.time()))
         try:
-            ttft, e2e, tokens = await send(handle, f"{tag}-{req.index}-{req.kind}", list(req.prompt), req.max_tokens, t0 + req.arrival_s)
-            return RequestResult(req.index, req.kind, req.arrival_s, ttft, e2e, tokens,
-                                 None if tokens == req.max_tokens else f"{tokens} tokens, expected {req.max_tokens}")
+            ttft, e2e, tokens = await send(handle, f"{tag}-{req.index}-{req.klass}", list(req.prompt_token_ids), req.output_len, t0 + req.arrival_s)
+            return RequestResult(req.index, req.klass, req.arrival_s, ttft, e2e, tokens,
+                                 None if tokens == req.output_len else f"{tokens} tokens, expected {req.output_len}")
         except Exception as exc:  # noqa: BLE001 - recorded, the run goes on
-            return RequestResult(req.index, req.kind, req.arrival_s, None, None, 0, type(exc).__name__)
+            return RequestResult(req.index, req.klass, req.arrival_s, None, None, 0, type(exc).__name__)
 
     tasks = [asyncio.ensure_future(one(r)) for r in trace]
     done, pending = await asyncio.wait(tasks, timeout=trace[-1].arrival_s + drain_s)
     for task in pending:
         task.cancel()
-    results = [t.result() if t in done else RequestResult(r.index, r.kind, r.arrival_s, None, None, 0, "timeout") for r, t in zip(trace, tasks, strict=True)]
+    results = [t.result() if t in done else RequestResult(r.index, r.klass, r.arrival_s, None, None, 0, "timeout") for r, t in zip(trace, tasks, strict=True)]
     finished = [r.arrival_s + r.e2e_s for r in results if r.e2e_s is not None]
     return results, (max(finished) - trace[0].arrival_s) if finished else 0.0
 
@@ -181,7 +169,7 @@ async def calibrate(handle: Any, mix: Mix, seconds: float, concurrency: int, see
         nonlocal completed
         for k in range(offset, 10**9):
             req = trace[k % len(trace)]
-            await send(handle, f"calib-{next(ids)}-{req.kind}", list(req.prompt), req.max_tokens, loop.time())
+            await send(handle, f"calib-{next(ids)}-{req.klass}", list(req.prompt_token_ids), req.output_len, loop.time())
             if loop.time() - start >= seconds / 4:
                 completed += 1
 
@@ -230,8 +218,7 @@ def run_router(router: str, opts: argparse.Namespace, mix: Mix, probe_dir: Path,
                 for rid, counts in replicas.items():
                     per_replica[rid] = {k: per_replica.get(rid, {}).get(k, 0) + v for k, v in counts.items()}
                 print(f"[bench-routing] {router} {name} seed {seed}: {json.dumps(per_seed[-1], default=lambda x: round(x, 3))}", flush=True)
-            out["runs"][name] = {**summarize_run(pooled, wall, preemptions, per_replica), "per_seed": per_seed, "rate_req_s": rate,
-                                 "requests": [asdict(r) for r in pooled]}
+            out["runs"][name] = {**summarize_run(pooled, wall, preemptions, per_replica), "per_seed": per_seed, "rate_req_s": rate}
     return out, rate
 
 
@@ -263,16 +250,11 @@ def body(results: dict[str, Any]) -> list[str]:
         ["trace", "TTFT p99 (pooled)", "TTFT p99 per seed", "TTFT p50", "e2e p99", "output tok/s", "target", "met"], rows)
 
 
-def write_report(results: dict[str, Any], out_dir: Path, raw_path: Path | None = None) -> list[Path]:
-    """routing.{json,md,png}; every request's timings and replica only in `raw_path`."""
-    if raw_path is not None:
-        raw_path.parent.mkdir(parents=True, exist_ok=True)
-        raw_path.write_text(json.dumps(results, default=str))
-    committed = {**results, "routers": {router: {**r, "runs": {n: {k: v for k, v in run.items() if k != "requests"} for n, run in r["runs"].items()}}
-                                        for router, r in results["routers"].items()}}
+def write_report(results: dict[str, Any], out_dir: Path) -> list[Path]:
+    """routing.{json,md,png}."""
     plot = report.bars("TTFT p99 by trace and router (pooled over seeds)", "seconds",
                        {t: {router: r["runs"].get(t, {}).get("ttft_p99_s") for router, r in results["routers"].items()} for t in TRACES})
-    return report.write(committed, out_dir, "routing", "W3 routing: KV-aware vs power-of-two vs round-robin", body(results), {"routing": plot})
+    return report.write(results, out_dir, "routing", "W3 routing: KV-aware vs power-of-two vs round-robin", body(results), {"routing": plot})
 
 
 def main() -> None:
@@ -299,7 +281,7 @@ def main() -> None:
             if "calibration" in results["routers"][router]:
                 results["workload"]["capacity_req_s"] = results["routers"][router]["calibration"]["capacity_req_s"]
     results["comparison"] = {name: compare_runs(results["routers"], name) for name in TRACES}
-    paths = write_report(results, Path(opts.out_dir), Path(f"build/bench-routing{'-quick' if opts.quick else ''}/raw.json"))
+    paths = write_report(results, Path(opts.out_dir))
     print(paths[1].read_text())
 
 

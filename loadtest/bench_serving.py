@@ -193,14 +193,6 @@ def summarize(runs: list[dict[str, Any]], concurrency: list[int]) -> dict[str, A
     return out
 
 
-def streams_label(v: dict[str, Any]) -> str:
-    if v["profile"] == "haproxy":  # no ingress hop: nothing to multiplex
-        return "HAProxy → LLMServer replica as the ingress (prototype)"
-    hops = "direct ingress + Serve throughput mode" if v["profile"] == "direct" else "through the proxy"
-    batch = f"stream batching {1000 * v['batch_interval_s']:g} ms" if v["batch_interval_s"] else "no stream batching"
-    return f"{hops}, {'streams multiplexed' if v['multiplexed'] else 'one Serve item per delta'}, {batch}"
-
-
 def body(results: dict[str, Any]) -> list[str]:
     w = results["workload"]
     lines = [f"Engine options (both targets, from {w['config']}): "
@@ -222,7 +214,7 @@ def body(results: dict[str, Any]) -> list[str]:
                       *(f"{cell(t[f'{n}_itl_p50_s'], 1000, 0)} / {cell(t[f'{n}_itl_p99_s'], 1000, 0)}; {1 / t[f'{n}_events_per_token']['median']:.2f}"
                         for n in ("direct", "serve")), ""]]
         groups = [g for g in next(iter(s["throughput"].values()))["serve_cpu_ms_per_token"] if g != "total"]
-        lines += [f"## Serve with {v['replicas']} LLMServer replica(s), {v['torch_threads_per_replica']} torch thread(s) each, {streams_label(v)} "
+        lines += [f"## Serve with {v['replicas']} LLMServer replica(s), {v['torch_threads_per_replica']} torch thread(s) each, {serving_path.label(v)} "
                   f"(app ready in {v['serve_startup_s']:.1f} s)", ""] + table(["measurement", "direct engine", "through Ray Serve", "Serve − / ÷ direct"], rows)
         lines += ["CPU ms per output token, all processes of each target during the throughput runs:", ""] + table(
             ["streams", "direct: engine + client", *(f"Serve: {g}" for g in groups), "Serve total"],
@@ -238,20 +230,17 @@ def anchor_lines(results: dict[str, Any]) -> list[str]:
     def rate(name: str) -> dict[str, float] | None:
         return spread(r["output_tok_s"] for r in anchors.get(name, {}).get("runs", []) if r["concurrency"] == c)
 
-    rows, vllm, native, ray_direct = [], rate("vllm-offline"), rate("native-offline"), rate("ray-serve-llm-direct")
-    for name, label in (("vllm-server", "vLLM-CPU's OpenAI server"), ("ray-serve-llm", "Ray Serve LLM over vLLM-CPU (1 replica)"),
-                        ("ray-serve-llm-direct", "Ray Serve LLM over vLLM-CPU, direct streaming (1 replica, HAProxy)")):
-        served = rate(name)
-        rows.append([label, cell(vllm), cell(served), f"× {served['median'] / vllm['median']:.2f}" if served and vllm else "–"])
-    goals = []
+    vllm, native, ray_direct = rate("vllm-offline"), rate("native-offline"), rate("ray-serve-llm-direct")
+    rows, goals = [[label, cell(vllm), cell(rate(name)), _versus(rate(name), vllm)] for name, label in (
+        ("vllm-server", "vLLM-CPU's OpenAI server"), ("ray-serve-llm", "Ray Serve LLM over vLLM-CPU (1 replica)"),
+        ("ray-serve-llm-direct", "Ray Serve LLM over vLLM-CPU, direct streaming (1 replica, HAProxy)"))], []
     for v in (v for v in results["variants"] if str(c) in v["summary"]["throughput"]):
-        t = v["summary"]["throughput"][str(c)]
-        goals.append([f"{v['replicas']} replica(s) × {v['torch_threads_per_replica']} thread(s), {streams_label(v)}", _versus(t["serve"], native, 0.85), _versus(t["serve"], ray_direct, 1.5),
-                      f"+{v['summary']['ttft']['overhead_ms']['median']:.1f} ms ({'met' if v['summary']['ttft']['overhead_ms']['median'] <= 15 else 'not met'})"])
-        rows += [[f"ours through Ray Serve ({v['replicas']} × {v['torch_threads_per_replica']} threads, {streams_label(v)}; vs our offline `LLM`)", cell(native), cell(t["serve"]),
-                  f"× {t['serve']['median'] / native['median']:.2f}" if native else "–"],
-                 [f"ours through Ray Serve ({v['replicas']} × {v['torch_threads_per_replica']} threads, {streams_label(v)}; vs the async engine in-process)", cell(t["direct"]), cell(t["serve"]),
-                  f"× {cell(t['serve_over_direct'], digits=2)}"]]
+        t, added, name = v["summary"]["throughput"][str(c)], v["summary"]["ttft"]["overhead_ms"]["median"], serving_path.label(v)
+        goals.append([f"{v['replicas']} replica(s) × {v['torch_threads_per_replica']} thread(s), {name}", _versus(t["serve"], native, 0.85),
+                      _versus(t["serve"], ray_direct, 1.5), f"+{added:.1f} ms ({'met' if added <= 15 else 'not met'})"])
+        ours = f"ours through Ray Serve ({v['replicas']} × {v['torch_threads_per_replica']} threads, {name}; vs"
+        rows += [[f"{ours} our offline `LLM`)", cell(native), cell(t["serve"]), _versus(t["serve"], native)],
+                 [f"{ours} the async engine in-process)", cell(t["direct"]), cell(t["serve"]), f"× {cell(t['serve_over_direct'], digits=2)}"]]
     return [f"## Anchors: what each stack's server delivers of its own engine ({c} streams at once)", "",
             "Same prompt and output lengths and client, one stack after the other, each in its own process (loadtest/serving_anchors.py); "
             "offline = the engine's own batch API on every prompt at once.", ""] + table(
@@ -262,11 +251,12 @@ def anchor_lines(results: dict[str, Any]) -> list[str]:
         ["ours through Ray Serve", "÷ our offline engine", "÷ Ray Serve LLM direct streaming", "TTFT added at low load"], goals)
 
 
-def _versus(ours: dict[str, float] | None, anchor: dict[str, float] | None, target: float) -> str:
+def _versus(ours: dict[str, float] | None, anchor: dict[str, float] | None, target: float | None = None) -> str:
+    """× the ratio of the medians, and whether it reaches `target`; – when either is missing."""
     if not ours or not anchor:
         return "–"
     ratio = ours["median"] / anchor["median"]
-    return f"× {ratio:.2f} ({'met' if ratio >= target else 'not met'})"
+    return f"× {ratio:.2f}" + (f" ({'met' if ratio >= target else 'not met'})" if target else "")
 
 
 def run_in_child(overrides: list[str]) -> list[dict[str, Any]]:

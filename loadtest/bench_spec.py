@@ -116,19 +116,19 @@ class SpecEngines:
         rng = random.Random(f"{workload}-{seed}")
         prompts = [list(self.tokenizer.apply_chat_template([{"role": "user", "content": message(workload, rng)}], add_generation_prompt=True,
                                                            return_dict=True)["input_ids"]) for _ in range(num)]
-        llm, tokens = self.engines[setting], {}
+        llm, tokens, native = self.engines[setting], {}, SETTINGS[setting][0] == "native"
         llm.reset_prefix_cache()
-        if SETTINGS[setting][0] == "native":
+
+        def step() -> list[tuple[str, int, bool]]:
+            for o in (outs := engine.step()):  # native: this step's new ids; vLLM: all so far
+                tokens[o.request_id] = tokens.get(o.request_id, []) + list(o.token_ids) if native else list(o.outputs[0].token_ids)
+            return [(o.request_id, len(tokens[o.request_id]), o.finished) for o in outs]
+
+        if native:
             from serve_app.types import GenerateRequest, SamplingParams
 
             engine, params = llm.engine, SamplingParams(temperature=0.0, max_tokens=self.opts["max_tokens"])
             self.recorder.steps.clear()
-
-            def step() -> list[tuple[str, int, bool]]:
-                for o in (outs := engine.step()):
-                    tokens.setdefault(o.request_id, []).extend(o.token_ids)
-                return [(o.request_id, len(tokens[o.request_id]), o.finished) for o in outs]
-
             result = closed_loop(prompts, concurrency, lambda rid, p: engine.add_request(GenerateRequest(rid, prompt=p, sampling_params=params)), step)
             steps = self.recorder.steps
             result.update(proposed=sum(s.spec_num_proposed for s in steps), accepted=sum(s.spec_num_accepted for s in steps),
@@ -137,12 +137,6 @@ class SpecEngines:
             from vllm import SamplingParams
 
             engine, params, before = llm.llm_engine, SamplingParams(temperature=0.0, max_tokens=self.opts["max_tokens"]), self._vllm_counters(llm)
-
-            def step() -> list[tuple[str, int, bool]]:
-                for o in (outs := engine.step()):
-                    tokens[o.request_id] = list(o.outputs[0].token_ids)  # cumulative
-                return [(o.request_id, len(tokens[o.request_id]), o.finished) for o in outs]
-
             result = closed_loop(prompts, concurrency, lambda rid, p: engine.add_request(rid, {"prompt_token_ids": p}, params), step)
             after = self._vllm_counters(llm)
             result.update(proposed=after[0] - before[0], accepted=after[1] - before[1], candidates=None)

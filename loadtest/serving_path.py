@@ -30,10 +30,13 @@ GROUP_ORDER = ("HTTP proxy", "ingress", "LLMServer replicas", "Ray core (raylet,
 NULL_STEP_TIME_S, NULL_MAX_NUM_SEQS = 0.02, 256  # the null engine's step and its batch cap
 
 
-def label(ingress_replicas: int, batch_interval_s: float, profile: str, multiplexed: bool) -> str:
-    batching = f"batching {1000 * batch_interval_s:.0f} ms" if batch_interval_s else "batching off"
-    hops = "direct ingress + Serve throughput mode" if profile == "direct" else "proxy"
-    return f"{ingress_replicas} ingress, {batching}, {hops}" + (", multiplexed" if multiplexed else "")
+def label(variant: dict[str, Any]) -> str:
+    """A deployment variant ({"profile", "batch_interval_s", "multiplexed"}) in words."""
+    if variant["profile"] == "haproxy":  # no ingress hop: nothing to multiplex
+        return "HAProxy → LLMServer replica as the ingress (prototype)"
+    hops = "direct ingress + Serve throughput mode" if variant["profile"] == "direct" else "through the proxy"
+    batch = f"stream batching {1000 * variant['batch_interval_s']:g} ms" if variant["batch_interval_s"] else "no stream batching"
+    return f"{hops}, {'streams multiplexed' if variant['multiplexed'] else 'one Serve item per delta'}, {batch}"
 
 
 def profile_env(profile: str) -> dict[str, str]:
@@ -95,7 +98,8 @@ def run_null_sweep(serve_target, run, model: str, prompts_for, opts, profile: st
     prompts. Direct ingress measures one ingress replica (the client talks to one replica's port)."""
     out = []
     for ingress, interval, mux in itertools.product([1] if profile == "direct" else opts.null_ingress, opts.null_batch, opts.null_mux):
-        name = label(ingress, interval, profile, mux == "on")
+        variant = {"ingress_replicas": ingress, "batch_interval_s": interval, "profile": profile, "multiplexed": mux == "on"}
+        name = f"{ingress} ingress, {label(variant)}"
         with serve_target(null_app_args(model, ingress, interval, mux == "on")) as target:
             run(measure_point(target, prompts_for(8), 16))  # warm-up
             points = []
@@ -103,8 +107,7 @@ def run_null_sweep(serve_target, run, model: str, prompts_for, opts, profile: st
                 points.append({**run(measure_point(target, prompts_for(streams), output_len)), "repeat": repeat})
                 print(f"[bench-serving] null engine, {name}, {streams} streams × {output_len} tokens: {points[-1]['output_tok_s']:.0f} "
                       f"tok/s, serving CPU {points[-1]['serving_cpu_ms_per_token']:.3f} ms/token", flush=True)
-        out.append({"ingress_replicas": ingress, "batch_interval_s": interval, "label": name, "profile": profile,
-                    "multiplexed": mux == "on", "startup_s": target.startup_s, "points": points})
+        out.append({**variant, "label": name, "startup_s": target.startup_s, "points": points})
     return out
 
 

@@ -128,12 +128,13 @@ def test_reports_targets_and_files(tmp_path):
         "command": ".venv/bin/python -m loadtest.bench_batching", "date": "2026-01-01T00:00:00+00:00", "duration_s": 60.0,
         "policies": policies, "comparison": compare({k: v["summary"] for k, v in policies.items()}),
     }
+    results["step_cost_model"] = step_cost_model(results)
     paths = report.write(results, tmp_path / "out", "batching", "W2", body(results), plots(results))
     assert [p.name for p in paths] == ["batching.json", "batching.md", "batching_timeline.png", "batching_batch_size.png"]
     md = (tmp_path / "out" / "batching.md").read_text()
     assert "throughput **3.00x** (target ≥ 2.5x: met), TTFT p50 **0.25x** (target ≤ 0.5x: met)" in md
     assert "| continuous | 30.0 | 1.00 | 1.00 |" in md and "| 3.00x | 0.25x |" in md
-    assert "static-b8: static (batch 8, wait ≤ 2 s)" in md
+    assert "static-b8: static (batch 8, wait ≤ 2 s)" in md and "## Step-cost model: the bound on this machine" in md
     assert "![batching_timeline](batching_timeline.png)" in md
     policies["continuous"]["summary"]["output_tok_s"] = 20.0
     results["comparison"] = compare({k: v["summary"] for k, v in policies.items()})

@@ -10,7 +10,6 @@ import pytest
 from loadtest.bench_routing import (
     Mix,
     RequestResult,
-    compare,
     compare_runs,
     make_trace,
     replica_deltas,
@@ -26,11 +25,11 @@ def test_traces_are_seeded_poisson_with_the_skewed_mix():
     assert a != make_trace("skewed", mix, rate=20.0, duration_s=50.0, seed=4)
     assert 900 <= len(a) <= 1100 and all(0 <= r.arrival_s < 50 for r in a)
     assert [r.arrival_s for r in a] == sorted(r.arrival_s for r in a)
-    longs = [r for r in a if r.kind == "long"]
+    longs = [r for r in a if r.klass == "long"]
     assert 0.08 <= len(longs) / len(a) <= 0.16
-    assert all(len(r.prompt) == mix.long_prompt and r.max_tokens == mix.long_output for r in longs)
+    assert all(r.prompt_len == mix.long_prompt and r.output_len == mix.long_output for r in longs)
     uniform = make_trace("uniform", mix, rate=20.0, duration_s=50.0, seed=3)
-    assert {(len(r.prompt), r.max_tokens) for r in uniform} == {(mix.mean_prompt, mix.mean_output)}
+    assert {(r.prompt_len, r.output_len) for r in uniform} == {(mix.mean_prompt, mix.mean_output)}
     with pytest.raises(ValueError):
         make_trace("bursty", mix, 1.0, 1.0, 0)
 
@@ -45,10 +44,10 @@ def test_summary():
     # linear interpolation (loadtest/stats.py): 11 TTFTs 0.1 ... 1.0 and 5.0, the p99 between the two largest
     assert s["ttft_p99_s"] == pytest.approx(1.0 + 0.9 * 4.0) and s["by_kind"]["short"]["ttft_p99_s"] == pytest.approx(0.991)
     assert s["by_kind"]["long"]["n"] == 1 and s["preemptions"] == 3
-    ratios = compare({"kv_aware": {"ttft_p99_s": 1.0, "output_tok_s": 110.0, "ttft_p50_s": 0.2, "e2e_p99_s": 4.0},
-                      "pow2": {"ttft_p99_s": 2.0, "output_tok_s": 100.0, "ttft_p50_s": 0.2, "e2e_p99_s": 8.0}})
-    assert ratios == {"ttft_p99_ratio": 0.5, "ttft_p50_ratio": 1.0, "e2e_p99_ratio": 0.5, "output_tok_s_ratio": 1.1}
-    assert compare({"kv_aware": {}})["ttft_p99_ratio"] is None
+    ratios = compare_runs({"kv_aware": {"runs": {"skewed": {"ttft_p99_s": 1.0, "output_tok_s": 110.0, "ttft_p50_s": 0.2, "e2e_p99_s": 4.0}}},
+                           "pow2": {"runs": {"skewed": {"ttft_p99_s": 2.0, "output_tok_s": 100.0, "ttft_p50_s": 0.2, "e2e_p99_s": 8.0}}}}, "skewed")
+    assert ratios == {"ttft_p99_ratio": 0.5, "ttft_p50_ratio": 1.0, "e2e_p99_ratio": 0.5, "output_tok_s_ratio": 1.1, "ttft_p99_ratio_per_seed": []}
+    assert compare_runs({"kv_aware": {"runs": {}}}, "skewed")["ttft_p99_ratio"] is None
 
 
 def test_replica_deltas_count_this_runs_requests_by_kind():
@@ -78,15 +77,11 @@ def test_report_from_a_synthetic_run(tmp_path):
                            "kv_aware": {"runs": {"skewed": run([1.2, 0.9], 101.0), "uniform": run([1.2, 0.5], 99.0)}}}}
     results["comparison"] = {t: compare_runs(results["routers"], t) for t in ("skewed", "uniform")}
     assert results["comparison"]["skewed"]["ttft_p99_ratio_per_seed"] == pytest.approx([0.6, 0.9])
-    results["routers"]["pow2"]["runs"]["skewed"]["requests"] = [{"index": 0, "ttft_s": 0.1, "replica": "a"}]
-    write_report(results, tmp_path, raw_path=tmp_path / "raw" / "raw.json")
+    write_report(results, tmp_path)
     md = (tmp_path / "routing.md").read_text()
     assert "| skewed | 0.60 | 0.60, 0.90 |" in md and "| yes |" in md  # pooled 1.2 / 2.0 = 0.6 ≤ 0.7, tok/s 1.01
     assert "| uniform | 1.20 | 1.20, 0.50 |" in md and md.rstrip().count("| no |") == 1  # 1.2 > 1.1
     assert "| 0 | 1.200 | 0.900 |" in md  # kv_aware's errors, then each seed's own p99
     assert (tmp_path / "routing.png").stat().st_size > 10_000
     committed = json.loads((tmp_path / "routing.json").read_text())
-    assert "requests" not in committed["routers"]["pow2"]["runs"]["skewed"]  # per-request data: raw only
     assert committed["routers"]["pow2"]["runs"]["skewed"]["per_seed"][1]["ttft_p99_s"] == 1.0
-    raw = json.loads((tmp_path / "raw" / "raw.json").read_text())
-    assert raw["routers"]["pow2"]["runs"]["skewed"]["requests"][0]["replica"] == "a"
