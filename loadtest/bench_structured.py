@@ -4,7 +4,7 @@ constrained with every row masked whole, what checking greedy rows saves) and vL
 `structured_outputs`), each engine in a worker process, runs interleaved over the repeats; also the compile time
 of first-seen schemas.
 
-    .venv/bin/python -m loadtest.bench_structured [--repeats 2] [--no-vllm]    # reports/structured.*
+    .venv/bin/python -m loadtest.bench_structured [--repeats 5] [--no-vllm]    # reports/structured.*
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ def body(results: dict[str, Any]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     p = report.Parser(__doc__, model=True)
-    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--no-vllm", action="store_true", help="the native engine alone")
     args = p.parse_args(argv)
