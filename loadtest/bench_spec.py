@@ -120,8 +120,11 @@ class SpecEngines:
         llm.reset_prefix_cache()
 
         def step() -> list[tuple[str, int, bool]]:
-            for o in (outs := engine.step()):  # native: this step's new ids; vLLM: all so far
-                tokens[o.request_id] = tokens.get(o.request_id, []) + list(o.token_ids) if native else list(o.outputs[0].token_ids)
+            for o in (outs := engine.step()):
+                if native:  # this step's new ids
+                    tokens.setdefault(o.request_id, []).extend(o.token_ids)
+                else:  # vLLM: every id so far
+                    tokens[o.request_id] = list(o.outputs[0].token_ids)
             return [(o.request_id, len(tokens[o.request_id]), o.finished) for o in outs]
 
         if native:

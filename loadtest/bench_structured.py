@@ -149,14 +149,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[bench-structured] {engine} failed to start: {exc}", file=sys.stderr)
     if "native" not in workers:
         return 1
-    # the unconstrained runs generate the constrained runs' token counts: greedy and batch-invariant, so
-    # a constrained run's lengths are the same every time (this run is also the full batch's warm-up)
+    # the unconstrained runs generate the token counts of one constrained run made here (also the full
+    # batch's warm-up): greedy, so every constrained run of the native engine (batch-invariant) repeats them
     lengths = {engine: [len(t) for t in w.call("run", None, False)["token_ids"]] for engine, w in workers.items()}
     runs, validity, waited = {}, {}, []
     try:
         for r in range(args.repeats):
             for engine in interleaved(list(workers), r):
-                for label in interleaved([label for label, (e, _, _) in RUNS.items() if e == engine], r):
+                for label in interleaved([name for name, (e, _, _) in RUNS.items() if e == engine], r):
                     _, unconstrained, mask_whole = RUNS[label]
                     waited.append(machine.wait_quiet())
                     res = workers[engine].call("run", lengths[engine] if unconstrained else None, mask_whole)
