@@ -203,15 +203,11 @@ def plots(results: dict[str, Any]) -> dict[str, report.Plot]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = report.Parser(__doc__, "build/bench-batching-quick", "a quarter of the tokens", model=True, num_requests=16)
     p.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES, help="run in order")
-    p.add_argument("--num-requests", type=int, default=96)
     p.add_argument("--rate", type=float, help="Poisson arrivals per second (default: --load x the capacity calibrated first)")
-    p.add_argument("--load", type=float, default=1.5, help="arrival rate as a multiple of the calibrated capacity")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    p.add_argument("--max-num-seqs", type=int, default=32, help="the batch cap, every policy")
-    p.add_argument("--static-timeout-s", type=float, default=2.0, help="static: the longest wait for a full batch")
-    for flag, kind, default in (("--seed", int, 0), ("--max-num-batched-tokens", int, 2048), ("--kv-cache-gib", float, 1.0),
-                                ("--policy-timeout-s", float, 300.0)):
-        p.add_argument(flag, type=kind, default=default)
+    p.options({"load": "arrival rate as a multiple of the calibrated capacity", "max_num_seqs": "the batch cap, every policy",
+               "static_timeout_s": "static: the longest wait for a full batch"}, num_requests=96, load=1.5, max_num_seqs=32,
+              static_timeout_s=2.0, seed=0, max_num_batched_tokens=2048, kv_cache_gib=1.0, policy_timeout_s=300.0)
     return p.parse_args(argv)
 
 

@@ -107,16 +107,10 @@ def plot(results: dict[str, Any]) -> report.Plot:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = report.Parser(__doc__, "build/bench-quick", model=True, **QUICK)
-    p.add_argument("--engines", default="native,hf,vllm", help="comma-separated, from: " + ", ".join(engines.ENGINES))
-    p.add_argument("--baseline", default="hf", help="engine the ratios divide by")
-    for key, value in W1.items():
-        p.add_argument(f"--{key.replace('_', '-')}", type=int, default=value)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="cpu")
+    p.options({"engines": "comma-separated, from: " + ", ".join(engines.ENGINES), "baseline": "engine the ratios divide by"},
+              engines="native,hf,vllm", baseline="hf", **W1, seed=0, device="cpu", hf_batch_size=16, max_num_seqs=64,
+              max_num_batched_tokens=2048, kv_cache_gib=1.0, threads=0)
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"))
-    for flag, kind, default in (("--hf-batch-size", int, 16), ("--max-num-seqs", int, 64), ("--max-num-batched-tokens", int, 2048),
-                                ("--kv-cache-gib", float, 1.0), ("--threads", int, 0)):
-        p.add_argument(flag, type=kind, default=default)
     p.add_argument("--vllm-enforce-eager", action="store_true", help="vLLM without torch.compile (starts faster)")
     args = p.parse_args(argv)
     unknown = [n for n in args.engines.split(",") if n not in engines.ENGINES]

@@ -78,10 +78,7 @@ def run_mode(mode: str, opts: argparse.Namespace, fault_file: Path) -> dict[str,
 def main() -> None:
     parser = report.Parser(__doc__)
     parser.add_argument("--modes", nargs="+", default=["exit", "health-check"], choices=["exit", "health-check"])
-    parser.add_argument("--streams", type=int, default=8)
-    parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--warmup-s", type=float, default=10.0)
-    parser.add_argument("--after-s", type=float, default=30.0)
+    parser.options(streams=8, max_tokens=32, warmup_s=10.0, after_s=30.0)
     opts = parser.parse_args()
     results = report.start("bench_engine_death")
     results.update({k: getattr(opts, k) for k in ("streams", "max_tokens", "warmup_s", "after_s")})

@@ -168,15 +168,11 @@ def one_server(opts: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = report.Parser(__doc__, model=True)
-    add = parser.add_argument
-    add("--url", help="an already running server's base URL: run GuideLLM against it only (its report in build/guidellm by default)")
-    add("--raw-dir", default="build/guidellm-runs", help="GuideLLM's own report and console output of each comparison run")
-    for flag, kind, default, help_ in (("--repeats", int, 2, "runs per server"), ("--seconds", float, 40.0, "each GuideLLM run's duration"),
-                                       ("--concurrency", int, 16, "streams"), ("--prompt-tokens", int, 128, None),
-                                       ("--output-tokens", int, 64, None)):
-        add(flag, type=kind, default=default, help=help_)
-    add("--config", default="configs/local.yaml", help="the Serve config our server is deployed from")
-    add("--direct", action="store_true", help="also ours with SERVE_PROFILE=direct (direct ingress + Serve's throughput mode)")
+    parser.add_argument("--url", help="an already running server's base URL: run GuideLLM against it only (its report in build/guidellm by default)")
+    parser.options({"raw_dir": "GuideLLM's own report and console output of each comparison run", "repeats": "runs per server",
+                    "seconds": "each GuideLLM run's duration", "concurrency": "streams", "config": "the Serve config our server is deployed from"},
+                   raw_dir="build/guidellm-runs", repeats=2, seconds=40.0, concurrency=16, prompt_tokens=128, output_tokens=64, config="configs/local.yaml")
+    parser.add_argument("--direct", action="store_true", help="also ours with SERVE_PROFILE=direct (direct ingress + Serve's throughput mode)")
     opts = parser.parse_args()
     if not opts.url:
         return compare(opts)

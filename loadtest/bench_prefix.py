@@ -197,10 +197,8 @@ def main() -> None:
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
     # 512 blocks (8k tokens): a few requests in flight use a small part of a replica's cache, as in production, so the
     # prefixes (1.5-1.8x one cache) decide what fits, not the running requests
-    for flag, kind, default, help_ in (("--num-blocks", int, 512, "KV blocks per replica (16 tokens each)"), ("--scale", float, 1.0,
-                                       "multiplies request counts"), ("--prefix-words", int, 360, "words per shared prefix (~1.55 tokens each)")):
-        parser.add_argument(flag, type=kind, default=default, help=help_)
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    parser.options({"num_blocks": "KV blocks per replica (16 tokens each)", "scale": "multiplies request counts",
+                    "prefix_words": "words per shared prefix (~1.55 tokens each)"}, num_blocks=512, scale=1.0, prefix_words=360, seeds=[0, 1])
     opts = parser.parse_args()
     from serve_app.input_processor import InputProcessor
 

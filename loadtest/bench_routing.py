@@ -260,13 +260,10 @@ def write_report(results: dict[str, Any], out_dir: Path) -> list[Path]:
 def main() -> None:
     parser = report.Parser(__doc__, "build/bench-routing-quick", duration=8.0, calibrate_s=12.0, drain_s=60.0, seeds=[0])
     parser.add_argument("--routers", nargs="+", default=list(ROUTERS), choices=ROUTERS)
-    for flag, kind, default, help_ in (("--duration", float, 32.0, "seconds of arrivals per trace"), ("--load", float, 0.85, "× the capacity"),
-                                       ("--rate", float, None, "arrivals/s (default: --load × the calibrated capacity)"),
-                                       ("--calibrate-s", float, 32.0, None), ("--calibrate-concurrency", int, 16, None),
-                                       ("--num-blocks", int, 96, "KV blocks per replica (2 long + 8 short requests fill one)"),
-                                       ("--drain-s", float, 90.0, "after the last arrival, wait this long at most")):
-        parser.add_argument(flag, type=kind, default=default, help=help_)
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="one trace per seed, replayed in turn, pooled")
+    parser.add_argument("--rate", type=float, help="arrivals/s (default: --load × the calibrated capacity)")
+    parser.options({"duration": "seconds of arrivals per trace", "load": "× the capacity", "drain_s": "after the last arrival, wait this long at most",
+                    "num_blocks": "KV blocks per replica (2 long + 8 short requests fill one)", "seeds": "one trace per seed, replayed in turn, pooled"},
+                   duration=32.0, load=0.85, calibrate_s=32.0, calibrate_concurrency=16, num_blocks=96, drain_s=90.0, seeds=[0, 1, 2])
     parser.add_argument("--kv-router-kwargs", nargs="*", default=[], metavar="NAME=VALUE", type=lambda t: (t.partition("=")[0], json.loads(t.partition("=")[2])),
                         help="KVCacheAwareRouter options (routing_config.KVRouterSettings), e.g. prefill_weight=0")
     opts, mix = parser.parse_args(), Mix()

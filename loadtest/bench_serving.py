@@ -270,15 +270,11 @@ def parse_args() -> argparse.Namespace:
     parser = report.Parser(__doc__, "build/bench-serving-quick", repeats=1, ttft_requests=4, output_len=16, concurrency=[8, 32],
                            anchor_concurrency=[8], null_streams=[64], null_output_lens=[128], null_repeats=1)
     add, profiles = parser.add_argument, serving_path.PROFILES
-    add("--config", default="configs/local.yaml", help="Serve YAML whose first application's args are used")
-    add("--replicas", type=int, nargs="+", default=[1], help="LLMServer replica counts")
-    add("--replica-threads", type=int, nargs="+", default=[0], help="torch threads per replica per --replicas entry (0: all cores)")
-    for flag, default in (("--repeats", 3), ("--ttft-requests", 16), ("--prompt-len", 128), ("--output-len", 64), ("--null-repeats", 2)):
-        add(flag, type=int, default=default)
-    for flag, kind, default in (("--concurrency", int, [8, 32, 64]), ("--anchor-concurrency", int, [32]), ("--null-streams", int, [64, 256]),
-                                ("--null-output-lens", int, [128, 512]), ("--null-ingress", int, [1, 2]),
-                                ("--null-batch", float, [0.0, 0.05])):
-        add(flag, type=kind, nargs="+", default=default)
+    parser.options({"config": "Serve YAML whose first application's args are used", "replicas": "LLMServer replica counts",
+                    "replica_threads": "torch threads per replica per --replicas entry (0: all cores)"},
+                   config="configs/local.yaml", replicas=[1], replica_threads=[0], repeats=3, ttft_requests=16, prompt_len=128, output_len=64,
+                   null_repeats=2, concurrency=[8, 32, 64], anchor_concurrency=[32], null_streams=[64, 256], null_output_lens=[128, 512],
+                   null_ingress=[1, 2], null_batch=[0.0, 0.05])
     add("--null-mux", nargs="+", default=["off", "on"], choices=("off", "on"), help="stream_multiplexing values, null engine")
     add("--null-profiles", nargs="+", default=list(profiles), choices=profiles, help="default: through the proxy; direct: direct ingress")
     add("--real-mux", nargs="+", default=["off", "on"], choices=("off", "on"), help="stream_multiplexing values, real engine")

@@ -72,12 +72,9 @@ def body(results: dict[str, Any]) -> list[str]:
 
 def main() -> None:
     parser = report.Parser(__doc__, "build/bench-soak-quick", round_size=60, concurrency=64)
-    parser.add_argument("--config", default="configs/local.yaml", help="Serve config whose serving options are used")
-    parser.add_argument("--replicas", type=int, default=2)
-    parser.add_argument("--round-size", type=int, default=300, help="streamed requests per round (the warm-up is one round)")
-    parser.add_argument("--rounds", type=int, default=10, help="rounds after the warm-up")
-    parser.add_argument("--concurrency", type=int, default=300, help="requests in flight (local.yaml admits 2 x 64 + 128 queued: some 503s)")
-    parser.add_argument("--max-tokens", type=int, default=4)
+    parser.options({"config": "Serve config whose serving options are used", "round_size": "streamed requests per round (the warm-up is one round)",
+                    "rounds": "rounds after the warm-up", "concurrency": "requests in flight (local.yaml admits 2 x 64 + 128 queued: some 503s)"},
+                   config="configs/local.yaml", replicas=2, round_size=300, rounds=10, concurrency=300, max_tokens=4)
     opts = parser.parse_args()
     args = server.config_args(opts.config, num_replicas=opts.replicas)
     results = report.start("bench_soak")

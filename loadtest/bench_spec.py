@@ -209,13 +209,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = report.Parser(__doc__, "build/bench-spec-quick", "fewer requests per level", model=True, concurrency=[1, 16], repeats=1, max_tokens=64)
     p.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=SETTINGS)
     p.add_argument("--workloads", nargs="+", default=["grounded", "open"], choices=("grounded", "open"))
-    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64], help="levels")
-    p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--max-tokens", type=int, default=96)
+    p.options({"concurrency": "levels", "threads": "OpenMP threads per engine (1: robust on a shared machine)"},
+              concurrency=[1, 4, 16, 64], repeats=2, max_tokens=96, threads=1)
     # float32: outputs are then token-identical with and without speculation; in bfloat16 a verification's
     # multi-row matmuls round differently from single-row decodes, which flips near-ties (vLLM's too)
     p.add_argument("--dtype", default="float32", choices=("bfloat16", "float32"))
-    p.add_argument("--threads", type=int, default=1, help="OpenMP threads per engine (1: robust on a shared machine)")
     return p.parse_args(argv)
 
 

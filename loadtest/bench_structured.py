@@ -137,8 +137,7 @@ def body(results: dict[str, Any]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     p = report.Parser(__doc__, model=True)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--threads", type=int, default=2)
+    p.options(repeats=5, threads=2)
     p.add_argument("--no-vllm", action="store_true", help="the native engine alone")
     args = p.parse_args(argv)
     results, workers = report.start("bench_structured"), {}

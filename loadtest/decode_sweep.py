@@ -49,12 +49,8 @@ def decode_batch(b: int, context: int, block_size: int) -> SchedulerOutput:
 
 def main() -> None:
     p = report.Parser(__doc__, "build/decode-sweep-quick", model=True, batch_sizes="1,4,16", steps=5, context=64)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--batch-sizes", default="1,2,4,8,16,32,64,128,256")
-    p.add_argument("--context", type=int, default=256, help="tokens of context per request")
-    p.add_argument("--steps", type=int, default=50, help="timed steps per batch size")
-    p.add_argument("--block-size", type=int, default=16, help="KV block size (tokens)")
+    p.options({"context": "tokens of context per request", "steps": "timed steps per batch size", "block_size": "KV block size (tokens)"},
+              device="cpu", dtype="bfloat16", batch_sizes="1,2,4,8,16,32,64,128,256", context=256, steps=50, block_size=16)
     p.add_argument("--enforce-eager", action="store_true", help="CUDA: no graphs")
     args = p.parse_args()
     sizes, device = [int(b) for b in args.batch_sizes.split(",")], torch.device(args.device)

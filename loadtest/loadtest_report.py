@@ -116,10 +116,8 @@ def plots(records: list[dict]) -> dict[str, report.Plot]:
 def main(argv: list[str] | None = None) -> int:
     p = report.Parser(__doc__)
     p.add_argument("--records", required=True, help="JSON lines from the locustfile's --records")
-    p.add_argument("--title", default="Locust")
-    p.add_argument("--command", default="", help="what produced the run (default: this command)")
-    p.add_argument("--settings", default="")
-    p.add_argument("--load-before", default="", help="the load average when the run started (else: now)")
+    p.options({"command": "what produced the run (default: this command)", "load_before": "the load average when the run started (else: now)"},
+              title="Locust", command="", settings="", load_before="")
     args = p.parse_args(argv)
     records = load_records(args.records)
     results = report.start("loadtest_report")

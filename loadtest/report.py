@@ -1,7 +1,7 @@
 """Every benchmark's report, in one shape: `<name>.json` (everything measured), `<name>.md` (a header — title,
 command, date, machine, load before and after, duration — then the tables) and PNG figures (matplotlib when
 installed; `bars` and `lines` draw the usual ones). `start` takes the header facts, `write` the files. And
-what every benchmark's command line shares (`Parser`: `--out-dir`, `--quick`) and its progress lines (`logger`).
+what every benchmark's command line shares (`Parser`: `--out-dir`, `--quick`, typed options) and its progress lines (`logger`).
 """
 
 from __future__ import annotations
@@ -40,6 +40,13 @@ class Parser(argparse.ArgumentParser):
         if quick_dir:
             changes = [f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}" for k, v in self.quick.items()]
             self.add_argument("--quick", action="store_true", help="smoke run: " + ", ".join(changes + ([quick_note] if quick_note else [])))
+
+    def options(self, helps: dict[str, str] | None = None, **defaults: Any) -> None:
+        """An option `--name` per keyword, of its default's type (a list: one or more of its items' type); `helps`: their help."""
+        for name, default in defaults.items():
+            many = isinstance(default, list)
+            self.add_argument(f"--{name.replace('_', '-')}", type=type(default[0] if many else default), nargs="+" if many else None,
+                              default=default, help=(helps or {}).get(name))
 
     def parse_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> argparse.Namespace:
         opts = super().parse_args(args, namespace)
