@@ -162,35 +162,29 @@ class VLLM:
                 "block_size": cache.block_size, **({"kv_cache_bytes": int(os.environ["VLLM_CPU_KVCACHE_SPACE"]) * 2**30} if cpu else {})}
 
 
-@dataclass(frozen=True)
-class EngineSpec:
-    label: str  # the report's column; {hf_batch_size} and {vllm} are filled in from the options
-    build: Callable[[dict[str, Any]], Any]
-    needs: str | None = None  # a module that must be importable, else the engine is skipped
-
-
-ENGINES: dict[str, EngineSpec] = {
-    "native": EngineSpec("native (continuous batching)", Native),
+# name → the report's column ({hf_batch_size} and {vllm} filled in from the options), the engine's factory
+ENGINES: dict[str, tuple[str, Callable[[dict[str, Any]], Any]]] = {
+    "native": ("native (continuous batching)", Native),
     # the same engine on other execution paths (docs/batch-invariance.md): what invariance costs
-    "native-rowdep": EngineSpec("native, not batch invariant", lambda o: Native(o, batch_invariant=False)),
-    "native-onednn": EngineSpec("native, oneDNN on invariant row tiles", lambda o: Native(o, linear_backend="onednn")),
-    "native-onednn-rowdep": EngineSpec("native, oneDNN untiled (not invariant)", lambda o: Native(o, linear_backend="onednn", batch_invariant=False)),
-    "hf": EngineSpec("HF generate (static, batch {hf_batch_size})", HFStatic),
-    "vllm": EngineSpec("vLLM-CPU ({vllm})", VLLM, needs="vllm"),
+    "native-rowdep": ("native, not batch invariant", lambda o: Native(o, batch_invariant=False)),
+    "native-onednn": ("native, oneDNN on invariant row tiles", lambda o: Native(o, linear_backend="onednn")),
+    "native-onednn-rowdep": ("native, oneDNN untiled (not invariant)", lambda o: Native(o, linear_backend="onednn", batch_invariant=False)),
+    "hf": ("HF generate (static, batch {hf_batch_size})", HFStatic),
+    "vllm": ("vLLM-CPU ({vllm})", VLLM),
 }
 
 
 def label(name: str, opts: dict[str, Any]) -> str:
     eager, cpu = ", eager" if opts.get("vllm_enforce_eager") else "", opts.get("device") == "cpu"
-    text = ENGINES[name].label.format(hf_batch_size=opts.get("hf_batch_size"), vllm=("both cores" if cpu else opts.get("device")) + eager)
+    text = ENGINES[name][0].format(hf_batch_size=opts.get("hf_batch_size"), vllm=("both cores" if cpu else opts.get("device")) + eager)
     return text if cpu else text.replace("vLLM-CPU", "vLLM")
 
 
 def skip_reason(name: str) -> str | None:
-    needs = ENGINES[name].needs
-    return f"{needs} is not installed (make install-vllm)" if needs and importlib.util.find_spec(needs) is None else None
+    """Why the engine cannot run here (only vLLM may be missing)."""
+    return "vllm is not installed (make install-vllm)" if name == "vllm" and importlib.util.find_spec("vllm") is None else None
 
 
 def build(opts: dict[str, Any]) -> Any:
     """The worker's factory: the engine `opts["engine"]`."""
-    return ENGINES[opts["engine"]].build(opts)
+    return ENGINES[opts["engine"]][1](opts)

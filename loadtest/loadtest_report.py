@@ -7,6 +7,7 @@ and token throughput over the run, failures, per request class, the TTFT CDF and
 
 from __future__ import annotations
 
+import collections
 import glob
 import json
 import math
@@ -34,23 +35,18 @@ def summarize(records: list[dict]) -> dict[str, Any]:
     """Latency distributions (seconds) and throughput over the window first request sent → last finished."""
     ok = [r for r in records if r["ok"]]
     window = max(r["end_time"] for r in records) - min(r["start_time"] for r in records) if records else 0.0
-    tokens, errors = sum(r["output_tokens"] for r in ok), {}
-    for r in records:
-        if not r["ok"]:
-            errors[r["error"]] = errors.get(r["error"], 0) + 1
+    tokens, errors = sum(r["output_tokens"] for r in ok), collections.Counter(r["error"] for r in records if not r["ok"])
 
     def latencies(rows: list[dict]) -> dict[str, Any]:
         return {k: dist([r[k] for r in rows if r[k] is not None]) for k in ("ttft_s", "tpot_s", "e2e_s")}
 
-    by_class = {}
-    for name in sorted({r["name"] for r in records}):
-        by_class[name] = {"num_requests": sum(r["name"] == name for r in records), "num_failed": sum(r["name"] == name and not r["ok"] for r in records),
-                          **latencies([r for r in ok if r["name"] == name])}
+    by_class = {name: {"num_requests": sum(r["name"] == name for r in records), "num_failed": sum(r["name"] == name and not r["ok"] for r in records),
+                       **latencies([r for r in ok if r["name"] == name])} for name in sorted({r["name"] for r in records})}
     return {"num_requests": len(records), "num_ok": len(ok), "num_failed": len(records) - len(ok), "num_empty": sum(bool(r.get("empty")) for r in ok),
             "window_s": window, "request_throughput": len(ok) / window if window > 0 else 0.0, "output_tokens": tokens,
             "output_tok_s": tokens / window if window > 0 else 0.0, **latencies(ok),
             "output_tokens_per_request": dist([float(r["output_tokens"]) for r in ok]), "arrival_lag_s": dist([r.get("lag_s") or 0.0 for r in records]),
-            "errors": errors, "by_class": by_class}
+            "errors": dict(errors), "by_class": by_class}
 
 
 def time_series(records: list[dict], bin_s: float | None = None) -> dict[str, list]:

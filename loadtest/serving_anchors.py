@@ -21,7 +21,7 @@ from typing import Any
 from loadtest import server
 from loadtest.bench_engine import make_prompts
 from loadtest.client import Completions, burst
-from loadtest.engines import vllm_cpu_env
+from loadtest.engines import VLLM
 from loadtest.worker import Worker, WorkerError
 
 ANCHORS = ("native-offline", "vllm-offline", "vllm-server", "ray-serve-llm", "ray-serve-llm-direct")
@@ -79,17 +79,10 @@ def run_native_offline(opts: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def run_vllm_offline(opts: argparse.Namespace) -> list[dict[str, Any]]:
-    vllm_cpu_env(1)
-    from vllm import LLM, SamplingParams
-
-    llm = LLM(model=opts.model, **VLLM_ENGINE)
-
-    def generate(prompts: list[list[int]], max_tokens: int) -> int:
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
-                            use_tqdm=False)
-        return sum(len(o.outputs[0].token_ids) for o in outs)
-
-    return _runs(_offline(generate), opts)
+    # W1's vLLM engine (loadtest/engines.py) with VLLM_ENGINE's settings: vLLM's own step budget, a 1 GiB KV cache
+    engine = VLLM({"model": opts.model, "device": "cpu", "kv_cache_gib": 1, "dtype": "bfloat16", "max_num_seqs": 64,
+                   "max_num_batched_tokens": None, "vllm_enforce_eager": True})
+    return _runs(_offline(lambda prompts, max_tokens: sum(map(len, engine.run(prompts, max_tokens).token_ids))), opts)
 
 
 @contextlib.contextmanager
