@@ -96,9 +96,7 @@ def ideal_hits(name: str, rows: list[dict[str, Any]], cache_tokens: int, concurr
     hits = pw.group_ideal_hits([(r["group"], r["prompt_ids"]) for r in by_start])
     if name != "evict":
         return sum(hits.values())
-    sizes: dict[int, int] = {}
-    for r in by_start:
-        sizes.setdefault(r["group"], r["prompt_tokens"])
+    sizes = {r["group"]: r["prompt_tokens"] for r in reversed(by_start)}  # each group's first request's
     return pw.best_static_partition({g: (h, min(sizes[g], cache_tokens)) for g, h in hits.items()}, cache_tokens, 2,
                                  reserve_tokens=concurrency * 64)[0]
 

@@ -72,19 +72,18 @@ class Structured:
 
             self.llm.reset_prefix_cache()
             self.masks.check_greedy = not mask_whole
-            params = (SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, structured=StructuredOutput(json_schema=json.dumps(SCHEMA)))
-                      if lengths is None else [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths])
             self.steps.clear()
+            constraint, quiet = {"structured": StructuredOutput(json_schema=json.dumps(SCHEMA))}, {}
         else:
             from vllm import SamplingParams
             from vllm.sampling_params import StructuredOutputsParams
 
-            params = (SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, structured_outputs=StructuredOutputsParams(
-                json=json.dumps(SCHEMA), disable_any_whitespace=True)) if lengths is None
-                else [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths])
-            ids = [{"prompt_token_ids": p} for p in ids]
+            constraint = {"structured_outputs": StructuredOutputsParams(json=json.dumps(SCHEMA), disable_any_whitespace=True)}
+            ids, quiet = [{"prompt_token_ids": p} for p in ids], {"use_tqdm": False}
+        params = (SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, **constraint) if lengths is None
+                  else [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths])
         start = time.perf_counter()
-        requests = self.llm.generate(ids, params) if self.native else self.llm.generate(ids, params, use_tqdm=False)
+        requests = self.llm.generate(ids, params, **quiet)
         elapsed, outs = time.perf_counter() - start, requests if self.native else [r.outputs[0] for r in requests]
         out = {"elapsed_s": elapsed, "token_ids": [list(o.token_ids) for o in outs], "texts": [o.text for o in outs]}
         if not self.native:
