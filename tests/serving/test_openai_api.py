@@ -264,7 +264,8 @@ def _loaded_torch(_actor_instance) -> dict:
     import os
     import sys
 
-    return {"pid": os.getpid(), "torch": "torch" in sys.modules, "transformers": "transformers" in sys.modules}
+    return {"pid": os.getpid(), "torch": "torch" in sys.modules, "transformers": "transformers" in sys.modules,
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}
 
 
 def test_only_engine_replicas_import_torch(client, ray_cluster):
@@ -282,6 +283,8 @@ def test_only_engine_replicas_import_torch(client, ray_cluster):
     engines = {name: probe(a) for name, a in replica_actors("LLMServer").items()}
     assert ingress and all(p["transformers"] and not p["torch"] for p in ingress.values()), ingress  # it tokenized
     assert engines and all(p["torch"] for p in engines.values()), engines
+    # the default: idle engine threads sleep (in the environment the process started with, before OpenMP loaded)
+    assert all(p["omp_wait_policy"] == "PASSIVE" for p in engines.values()), engines
     serve_actors = [e["name"] for e in ray.util.list_named_actors(all_namespaces=True)
                     if e["name"].startswith(("SERVE_CONTROLLER_ACTOR", "SERVE_PROXY_ACTOR"))]
     assert any(n.startswith("SERVE_PROXY_ACTOR") for n in serve_actors), serve_actors
