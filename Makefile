@@ -121,11 +121,12 @@ clean:
 # SERVE_PROFILE (docs/serving-path.md; Serve reads these variables when its processes start):
 #   haproxy (default): Ray's HAProxy on port 8000, in front of the ingress replicas' own HTTP servers (direct
 #     ingress, ports 8100-8199) and Serve's throughput settings: no Python proxy hop;
+#   (RAY_SERVE_LOG_TO_STDERR=1 keeps the replicas' log lines in this terminal: throughput mode would hide them);
 #   direct: the same without HAProxy: the first ingress replica answers on 8100, Serve's proxy on 8000;
 #   proxy: Serve's classic path, its Python proxy on 8000 in front of the ingress.
 SERVE_CONFIG ?= configs/local.yaml
 SERVE_PROFILE ?= haproxy
-DIRECT_INGRESS_ENV := RAY_SERVE_THROUGHPUT_OPTIMIZED=1 RAY_SERVE_ENABLE_DIRECT_INGRESS=1 \
+DIRECT_INGRESS_ENV := RAY_SERVE_THROUGHPUT_OPTIMIZED=1 RAY_SERVE_ENABLE_DIRECT_INGRESS=1 RAY_SERVE_LOG_TO_STDERR=1 \
   RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT=8100 RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT=8199 \
   RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT=8200 RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT=8299
 SERVE_ENV_haproxy := RAY_SERVE_ENABLE_HA_PROXY=1 $(DIRECT_INGRESS_ENV)

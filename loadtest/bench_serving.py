@@ -28,6 +28,7 @@ from loadtest.bench_engine import make_prompts
 from loadtest.client import Completions, Stream, burst
 from loadtest.report import cell, table
 from loadtest.stats import percentile, spread
+from serve_app.serving.config import OMP_WAIT_POLICIES
 from serve_app.serving.haproxy_env import HAPROXY
 from serve_app.types import GenerateRequest, SamplingParams
 
@@ -96,10 +97,15 @@ class ServeTarget:
 
 
 @contextlib.contextmanager
-def serve_target(args: dict[str, Any]) -> Iterator[ServeTarget]:
-    """Our app deployed on this process's Ray instance, answering as its profile makes it (proxy, direct ingress, HAProxy)."""
+def serve_target(args: dict[str, Any], pin: bool = False) -> Iterator[ServeTarget]:
+    """Our app deployed on this process's Ray instance, answering as its profile makes it (proxy, direct ingress, HAProxy);
+    `pin`: every thread of the i-th LLMServer replica process (by pid) on core i (mod the cores)."""
     with server.serve_http() as base_url, server.deployed(args, "bench") as app:
         target = ServeTarget(base_url, app, Path(args["model"]).name)
+        for core, proc in enumerate(sorted(target.processes["LLMServer replicas"] if pin else [], key=lambda p: p.pid)):
+            for thread in proc.threads():
+                with contextlib.suppress(OSError):  # a thread that ended meanwhile
+                    os.sched_setaffinity(thread.id, {core % (os.cpu_count() or 1)})
         try:
             yield target
         finally:
@@ -142,14 +148,14 @@ async def measure_throughput(target, prompts: list[list[int]], output_len: int) 
             "cpu_ms_per_token_total": sum(cpu_ms.values())}
 
 
-def run_variant(direct: DirectTarget, args: dict[str, Any], opts: argparse.Namespace, vocab: int, seed_base: int) -> dict[str, Any]:
+def run_variant(direct: DirectTarget, args: dict[str, Any], opts: argparse.Namespace, vocab: int, seed_base: int, pin: bool = False) -> dict[str, Any]:
     """Serve vs direct for one deployment. `seed_base` differs per variant: the direct engine lives
     across variants, and prompts another variant used could still be in its prefix cache."""
     def prompts(n: int, seed: int) -> list[list[int]]:
         return make_prompts(n, opts.prompt_len, vocab, 100, seed_base + seed)
 
     runs = []
-    with serve_target(args) as serve:
+    with serve_target(args, pin) as serve:
         LOOP.run_until_complete(measure_ttft((direct, serve), prompts(2, 1)))  # warm-up: first requests pay one-time costs
         for repeat in range(opts.repeats):
             order = (direct, serve) if repeat % 2 == 0 else (serve, direct)
@@ -262,15 +268,18 @@ def parse_args() -> argparse.Namespace:
     add, profiles = parser.add_argument, serving_path.PROFILES
     parser.options({"config": "Serve YAML whose first application's args are used", "replicas": "LLMServer replica counts",
                     "replica_threads": "torch threads per replica per --replicas entry (0: all cores)"},
-                   config="configs/local.yaml", replicas=[1], replica_threads=[0], repeats=3, ttft_requests=16, prompt_len=128, output_len=64,
+                   config="configs/local.yaml", replicas=[2], replica_threads=[0], repeats=3, ttft_requests=16, prompt_len=128, output_len=64,
                    null_repeats=2, concurrency=[8, 32, 64], anchor_concurrency=[32], null_streams=[64, 256], null_output_lens=[128, 512],
                    null_ingress=[1, 2], null_batch=[0.0, 0.05])
     add("--null-mux", nargs="+", default=["off", "on"], choices=("off", "on"), help="stream_multiplexing values, null engine")
     add("--null-profiles", nargs="+", default=list(profiles), choices=profiles,
         help="default: through the proxy; direct: direct ingress; haproxy: HAProxy in front of direct ingress (runs in a process of its own)")
-    add("--real-mux", nargs="+", default=["off", "on"], choices=("off", "on"), help="stream_multiplexing values, real engine")
+    add("--real-mux", nargs="+", default=["on"], choices=("off", "on"), help="stream_multiplexing values, real engine")
     add("--real-batch", type=float, nargs="+", help="stream_batch_interval_s values, real engine (default: the config's)")
     add("--real-profiles", nargs="+", default=list(profiles), choices=profiles, help="as --null-profiles, real engine")
+    add("--omp-wait-policies", nargs="+", choices=OMP_WAIT_POLICIES, help="real engine: omp_wait_policy values (default: the config's)")
+    add("--placements", nargs="+", default=["float"], choices=tuple(serving_path.PLACEMENTS),
+        help="real engine: float (the OS places threads), pin (each LLMServer replica on a core of its own), bind (OMP_PROC_BIND=close)")
     add("--anchors", nargs="*", default=list(serving_anchors.ANCHORS), choices=serving_anchors.ANCHORS,
         help="other stacks (vLLM ones need `make install-vllm`, Ray Serve LLM also pyarrow); none: skip")
     add("--skip-null", action="store_true", help="only the real engine: Serve vs direct")
@@ -302,15 +311,16 @@ def main() -> None:
     if here(real_profiles):
         direct = DirectTarget(args["model"], engine_kwargs)
         try:
-            for profile in here(real_profiles):
-                with server.ray_started("bench-serving", envs[profile]):
-                    for (replicas, threads), mux, batch in itertools.product(zip(opts.replicas, opts.replica_threads, strict=True), opts.real_mux,
-                                                                             opts.real_batch or [args.get("stream_batch_interval_s", 0.0)]):
+            for profile, placement in itertools.product(here(real_profiles), opts.placements):
+                with server.ray_started("bench-serving", {**envs[profile], **serving_path.PLACEMENT_ENV.get(placement, {})}):
+                    for (replicas, threads), mux, batch, omp in itertools.product(
+                            zip(opts.replicas, opts.replica_threads, strict=True), opts.real_mux,
+                            opts.real_batch or [args.get("stream_batch_interval_s", 0.0)], opts.omp_wait_policies or [args.get("omp_wait_policy", "passive")]):
                         variant_args = {**args, "num_replicas": replicas, "torch_num_threads": threads, "stream_multiplexing": mux == "on",
-                                        "stream_batch_interval_s": batch}
-                        variant = run_variant(direct, variant_args, opts, vocab, seed_base=100_000 * len(results["variants"]))
+                                        "stream_batch_interval_s": batch, "omp_wait_policy": omp}
+                        variant = run_variant(direct, variant_args, opts, vocab, seed_base=100_000 * len(results["variants"]), pin=placement == "pin")
                         results["variants"].append({**variant, "torch_threads_per_replica": threads or os.cpu_count(), "profile": profile,
-                                                    "batch_interval_s": batch})
+                                                    "batch_interval_s": batch, "placement": placement, "omp_wait_policy": omp})
         finally:
             direct.engine.shutdown()
     if "haproxy" in {*real_profiles, *null_profiles} and not haproxy_alone:

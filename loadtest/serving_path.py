@@ -31,10 +31,18 @@ HOPS = {"default": "through the proxy", "direct": "direct ingress + Serve throug
         "haproxy": "HAProxy → direct ingress + Serve throughput mode"}
 
 
+# where the engines' threads may run: anywhere (the OS decides), each replica's threads pinned to a core of its own,
+# or each engine's OpenMP threads bound one to a core (OMP_PROC_BIND=close, OMP_PLACES=cores)
+PLACEMENTS = {"float": "", "pin": ", each replica pinned to a core", "bind": ", OpenMP threads bound to cores"}
+PLACEMENT_ENV = {"bind": {"OMP_PROC_BIND": "close", "OMP_PLACES": "cores"}}
+
+
 def label(variant: dict[str, Any]) -> str:
-    """A deployment variant ({"profile", "batch_interval_s", "multiplexed"}) in words."""
+    """A deployment variant ({"profile", "batch_interval_s", "multiplexed"[, "placement", "omp_wait_policy"]}) in words."""
     batch = f"stream batching {1000 * variant['batch_interval_s']:g} ms" if variant["batch_interval_s"] else "no stream batching"
-    return f"{HOPS[variant['profile']]}, {'streams multiplexed' if variant['multiplexed'] else 'one Serve item per delta'}, {batch}"
+    omp = f", OpenMP wait policy {variant['omp_wait_policy']}" if variant.get("omp_wait_policy", "passive") != "passive" else ""
+    return (f"{HOPS[variant['profile']]}, {'streams multiplexed' if variant['multiplexed'] else 'one Serve item per delta'}, {batch}"
+            + PLACEMENTS[variant.get("placement", "float")] + omp)
 
 
 def profile_env(profile: str) -> dict[str, str]:
@@ -42,7 +50,7 @@ def profile_env(profile: str) -> dict[str, str]:
     if profile == "default":
         return {}
     http = free_port()
-    direct = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
+    direct = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1", "RAY_SERVE_LOG_TO_STDERR": "1",
               "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(http), "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(http + 4),
               "RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT": str(http + 5), "RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT": str(http + 9)}
     if profile == "haproxy":

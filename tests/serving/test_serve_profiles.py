@@ -43,6 +43,7 @@ def profile_env(profile: str) -> dict[str, str]:
     env = dict(word.split("=", 1) for word in shlex.split(line) if word.startswith("RAY_SERVE_"))
     assert env["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "1" and env["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "1", env
     assert (env.get("RAY_SERVE_ENABLE_HA_PROXY") == "1") == (profile == "haproxy"), env
+    assert env["RAY_SERVE_LOG_TO_STDERR"] == "1", env  # the replicas' log lines (the ready line too) in the terminal
     return env
 
 
@@ -73,7 +74,6 @@ def served(request, tmp_path_factory):
     # one ingress replica: one free port in each range (Serve's ranges exclude their MAX)
     env.update(RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT=str(direct_port), RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT=str(direct_port + 1),
                RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT=str(grpc_port), RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT=str(grpc_port + 1))
-    env["RAY_SERVE_LOG_TO_STDERR"] = "1"  # Serve's throughput mode keeps replica logs out of `serve run`'s output
     if profile == "haproxy":
         env.update(haproxy_env())  # its files and stats ports apart from any other HAProxy on this machine
     log_path = tmp / "serve.log"
