@@ -112,7 +112,8 @@ def warm_up(url: str) -> None:
 
 def write(results: dict[str, Any], opts: argparse.Namespace) -> None:
     runs, servers = results["runs"], list(dict.fromkeys(r["server"] for r in results["runs"]))
-    label = {s: LABELS[s].format(config=opts.config, profile=opts.profile) for s in servers}
+    # (reports from before profiles existed ran ours through Serve's proxy)
+    label = {s: LABELS[s].format(config=opts.config, profile=results.get("profile", "proxy")) for s in servers}
     by = {k: {s: {r["repeat"]: r[k] for r in runs if r["server"] == s and r[k] is not None} for s in servers} for k in METRICS}  # (None: no latency)
     results["servers"] = {s: {k: spread(by[k][s].values()) for k in METRICS} for s in servers}
     results["vs_vllm"] = {s: {k: paired_ratios(by[k], s, "vllm") for k in PAIRED} for s in servers if s != "vllm"}

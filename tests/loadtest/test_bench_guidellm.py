@@ -61,7 +61,7 @@ def test_comparison_report_pairs_ratios_per_repeat(tmp_path):
     runs = [{**base, "server": server, "repeat": repeat, "startup_s": 30.0, "client_cpu_s": 20.0, "others_cpu_pct": 4.0, "output_tok_s": tok_s, "itl_p50_ms": itl}
             for server, repeat, tok_s, itl in (("ours", 0, 260.0, 50.0), ("vllm", 0, 200.0, 50.0), ("vllm", 1, 180.0, 60.0), ("ours", 1, 252.0, 66.0),
                                                ("vllm", 2, 40.0, None), ("ours", 2, 250.0, 70.0))]  # vLLM completed nothing in repeat 2
-    results = {**report.start("bench_guidellm"), "guidellm": "0.8.1", "config": "configs/local.yaml",
+    results = {**report.start("bench_guidellm"), "guidellm": "0.8.1", "config": "configs/local.yaml", "profile": "haproxy",
                "workload": {"concurrency": 16, "prompt_tokens": 128, "output_tokens": 64, "seconds": 40.0}, "runs": runs}
     bench_guidellm.write(results, opts(out_dir=str(tmp_path)))
     assert results["vs_vllm"]["ours"]["output_tok_s"] == pytest.approx([1.3, 1.4, 6.25])
@@ -69,8 +69,8 @@ def test_comparison_report_pairs_ratios_per_repeat(tmp_path):
     assert results["servers"]["ours"]["output_tok_s"] == {"median": 252.0, "min": 250.0, "max": 260.0, "n": 3}
     assert results["servers"]["vllm"]["itl_p50_ms"]["n"] == 2
     md = (tmp_path / "guidellm.md").read_text()
-    assert "| ours (configs/local.yaml) | 252.0 (250.0–260.0) |" in md
-    assert "| ours (configs/local.yaml) | 1.30, 1.40, 6.25 | 1.00, 1.10 |" in md
+    assert "| ours (configs/local.yaml, SERVE_PROFILE=haproxy) | 252.0 (250.0–260.0) |" in md
+    assert "| ours (configs/local.yaml, SERVE_PROFILE=haproxy) | 1.30, 1.40, 6.25 | 1.00, 1.10 |" in md
     assert json.loads((tmp_path / "guidellm.json").read_text())["vs_vllm"] == results["vs_vllm"]
 
 

@@ -98,7 +98,7 @@ def test_every_variant_gets_its_own_prompts():
         raise Stop
 
     @contextlib.contextmanager
-    def fake_serve(args):
+    def fake_serve(args, pin=False):
         yield types.SimpleNamespace(startup_s=0.0)
 
     original = bench_serving.make_prompts, bench_serving.serve_target
