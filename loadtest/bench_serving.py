@@ -102,7 +102,7 @@ def serve_target(args: dict[str, Any], pin: bool = False) -> Iterator[ServeTarge
     `pin`: every thread of the i-th LLMServer replica process (by pid) on core i (mod the cores)."""
     with server.serve_http() as base_url, server.deployed(args, "bench") as app:
         target = ServeTarget(base_url, app, Path(args["model"]).name)
-        for core, proc in enumerate(sorted(target.processes["LLMServer replicas"] if pin else [], key=lambda p: p.pid)):
+        for core, proc in enumerate(sorted(target.processes.get("LLMServer replicas", []) if pin else [], key=lambda p: p.pid)):
             for thread in proc.threads():
                 with contextlib.suppress(OSError):  # a thread that ended meanwhile
                     os.sched_setaffinity(thread.id, {core % (os.cpu_count() or 1)})
@@ -293,8 +293,8 @@ def main() -> None:
     # HAProxy mode is read once per process, when Ray Serve is imported: alone, this process runs it;
     # beside other profiles, a child process of its own does (after them, on a machine they left idle)
     haproxy_alone = {*real_profiles, *null_profiles} == {"haproxy"}
-    here = lambda profiles: [p for p in profiles if haproxy_alone or p != "haproxy"]  # noqa: E731
-    envs = {profile: serving_path.profile_env(profile) for profile in {*here(real_profiles), *here(null_profiles)}}
+    null_here, real_here = ([p for p in profiles if haproxy_alone or p != "haproxy"] for profiles in (null_profiles, real_profiles))
+    envs = {profile: serving_path.profile_env(profile) for profile in {*real_here, *null_here}}
     if haproxy_alone:
         os.environ.update(envs["haproxy"])
     args = server.config_args(opts.config)
@@ -304,14 +304,14 @@ def main() -> None:
     if null_profiles:
         results["null"] = {"workload": {"step_time_s": serving_path.NULL_STEP_TIME_S, "max_num_seqs": serving_path.NULL_MAX_NUM_SEQS,
                                         "prompt_len": opts.prompt_len, "repeats": opts.null_repeats}, "variants": []}
-        for profile in here(null_profiles):  # each in its own Ray instance: Serve reads these at process start
+        for profile in null_here:  # each in its own Ray instance: Serve reads these at process start
             with server.ray_started("bench-serving", envs[profile]):
                 results["null"]["variants"] += serving_path.run_null_sweep(
                     serve_target, LOOP.run_until_complete, args["model"], lambda n: make_prompts(n, opts.prompt_len, vocab, 100, n), opts, profile)
-    if here(real_profiles):
+    if real_here:
         direct = DirectTarget(args["model"], engine_kwargs)
         try:
-            for profile, placement in itertools.product(here(real_profiles), opts.placements):
+            for profile, placement in itertools.product(real_here, opts.placements):
                 with server.ray_started("bench-serving", {**envs[profile], **serving_path.PLACEMENT_ENV.get(placement, {})}):
                     for (replicas, threads), mux, batch, omp in itertools.product(
                             zip(opts.replicas, opts.replica_threads, strict=True), opts.real_mux,
