@@ -118,6 +118,8 @@ clean:
 # OpenAI-compatible API on http://127.0.0.1:8000/v1 (2 LLMServer replicas); Ctrl-C stops Serve and Ray.
 # RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 makes Ray use the loopback address (not eth0) for its own traffic;
 # RAY_DEDUP_LOGS=0 shows every replica's lines (Ray would hold back look-alike lines of the second replica).
+# RAY_worker_niceness=0: Ray would start its workers (the engine replicas too) at niceness 15, below every
+#   other process on the machine (docs/serving-path.md).
 # SERVE_PROFILE (docs/serving-path.md; Serve reads these variables when its processes start):
 #   haproxy (default): Ray's HAProxy on port 8000, in front of the ingress replicas' own HTTP servers (direct
 #     ingress, ports 8100-8199) and Serve's throughput settings: no Python proxy hop;
@@ -139,7 +141,7 @@ $(if $(filter haproxy direct proxy,$(SERVE_PROFILE)),,$(error SERVE_PROFILE must
 .PHONY: serve
 serve: install model
 	@echo "[serve] $(SERVE_CONFIG) ($(SERVE_PROFILE)): OpenAI API at $(SERVE_URLS_$(SERVE_PROFILE)) once 'OpenAI-compatible API ready' is logged (about 30 s); Ctrl-C stops it"
-	RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_DEDUP_LOGS=0 $(SERVE_ENV_$(SERVE_PROFILE)) $(VENV)/bin/serve run $(SERVE_CONFIG)
+	RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_DEDUP_LOGS=0 RAY_worker_niceness=0 $(SERVE_ENV_$(SERVE_PROFILE)) $(VENV)/bin/serve run $(SERVE_CONFIG)
 
 # ---- observability ----------------------------------------------------------------------------------
 # Prometheus + promtool from Debian's `prometheus` package, installed once (as root, or with sudo

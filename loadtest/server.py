@@ -39,7 +39,8 @@ def ray_started(namespace: str, env: dict[str, str] | None = None) -> Iterator[N
     checkout first (replicas import `loadtest` and `serve_app` from it). On the way out Serve and Ray
     stop, this process's environment is restored and HAProxy's directory (if `env` made one) removed."""
     saved = dict(os.environ)
-    os.environ.update({"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", **(env or {})})  # Ray's own traffic on loopback
+    # Ray's own traffic on loopback; its workers at normal priority, as `make serve` starts them
+    os.environ.update({"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_worker_niceness": "0", **(env or {})})
     import ray  # (after the environment: Serve reads some of it when first imported)
 
     from tests.ray_start import init_local_ray

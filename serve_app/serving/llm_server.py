@@ -92,6 +92,20 @@ def configure_torch_threads(num_threads: int) -> int:
     return n
 
 
+# Ray starts worker processes at niceness 15 (its `worker_niceness`) unless the cluster is started with this
+# variable set; then every Ray daemon, client and build on the machine preempts the engine's threads
+WORKER_NICENESS_ENV = "RAY_worker_niceness"
+
+
+def niceness_warning(niceness: int) -> str | None:
+    """What to log when a CPU replica's process runs at `niceness` (None at 0 or below)."""
+    if niceness <= 0:
+        return None
+    return (f"this replica runs at niceness {niceness}: any other process on the machine (Ray's daemons, clients) preempts "
+            f"the engine's threads, which slows every step and first token; start Ray with {WORKER_NICENESS_ENV}=0 "
+            "(make serve and the Docker image do)")
+
+
 class _Tally:
     """What a request produced so far (for its log line); its first token marks its prompt prefilled."""
 
@@ -144,8 +158,11 @@ class LLMServer:
         self._drain_task = asyncio.get_running_loop().create_task(self._drain_on_shutdown())
         # None outside Serve (in-process tests), or when switched off (then only the health check acts)
         self._watch = EngineWatch.under_serve(self.backend.check_health) if config.exit_on_engine_death else None
-        logger.info("LLMServer replica ready: model %s, context %d tokens, torch threads %s",
-                    self._info.name, self._info.max_model_len, threads or "n/a")
+        niceness = os.getpriority(os.PRIO_PROCESS, 0)
+        if config.backend_config.device == "cpu" and (warning := niceness_warning(niceness)):
+            logger.warning(warning)
+        logger.info("LLMServer replica ready: model %s, context %d tokens, torch threads %s, niceness %d",
+                    self._info.name, self._info.max_model_len, threads or "n/a", niceness)
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerationChunk]:
         request = self._arrived(request)

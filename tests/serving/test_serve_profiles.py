@@ -40,10 +40,11 @@ def profile_env(profile: str) -> dict[str, str]:
                          timeout=60)
     assert out.returncode == 0, out.stderr
     line = next(line for line in out.stdout.splitlines() if "serve run" in line)
-    env = dict(word.split("=", 1) for word in shlex.split(line) if word.startswith("RAY_SERVE_"))
+    env = dict(word.split("=", 1) for word in shlex.split(line) if word.startswith(("RAY_SERVE_", "RAY_worker_niceness")))
     assert env["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "1" and env["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "1", env
     assert (env.get("RAY_SERVE_ENABLE_HA_PROXY") == "1") == (profile == "haproxy"), env
     assert env["RAY_SERVE_LOG_TO_STDERR"] == "1", env  # the replicas' log lines (the ready line too) in the terminal
+    assert env["RAY_worker_niceness"] == "0", env  # Ray's default, 15, puts the engines below every other process
     return env
 
 
@@ -91,6 +92,15 @@ def served(request, tmp_path_factory):
         stop_serve_run(proc)
         if STATE_DIR in env:
             shutil.rmtree(env[STATE_DIR], ignore_errors=True)
+
+
+def test_the_engine_replicas_run_at_normal_priority(served):
+    """Started as `make serve` starts Ray, the engine replicas run at niceness 0 and say so (at Ray's
+    default, 15, they would warn)."""
+    log = wait_for(lambda: (text := served.log.read_text()).count("LLMServer replica ready") >= 2 and text, 30,
+                   message="both replicas' ready lines")
+    assert re.findall(r"LLMServer replica ready: .*, niceness (\d+)", log) == ["0", "0"], log[-3000:]
+    assert "runs at niceness" not in log
 
 
 def test_the_port_needs_the_key(served):
