@@ -36,8 +36,6 @@ from tests.recording_logger import RecordingLogger
 POLICIES = ("static", "dynamic", "continuous")
 TARGET_THROUGHPUT_RATIO, TARGET_TTFT_RATIO = 2.5, 0.5  # continuous vs static
 COLORS = {"queued": "#cfcfcf", "prefill": "tab:orange", "decode": "tab:blue"}
-
-
 log = report.logger("bench-batching")
 
 
@@ -203,7 +201,6 @@ def plots(results: dict[str, Any]) -> dict[str, report.Plot]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = report.Parser(__doc__, "build/bench-batching-quick", "a quarter of the tokens", model=True, num_requests=16)
     p.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES, help="run in order")
-    p.add_argument("--rate", type=float, help="Poisson arrivals per second (default: --load x the capacity calibrated first)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.options({"load": "arrival rate as a multiple of the calibrated capacity", "max_num_seqs": "the batch cap, every policy",
                "static_timeout_s": "static: the longest wait for a full batch"}, num_requests=96, load=1.5, max_num_seqs=32,
@@ -226,12 +223,10 @@ def main(argv: list[str] | None = None) -> None:
                      for r in trace]
         return trace
 
-    calibration = None
-    if args.rate is None:
-        calibration = calibrate(args, build_trace(1.0))
-        args.rate = calibration["rate_req_s"]
-        log(f"capacity {calibration['capacity_req_s']:.2f} req/s at full steps (the burst: {calibration['burst_req_s']:.2f}) → "
-            f"arrivals at {args.rate:.2f} req/s")
+    calibration = calibrate(args, build_trace(1.0))
+    args.rate = calibration["rate_req_s"]
+    log(f"capacity {calibration['capacity_req_s']:.2f} req/s at full steps (the burst: {calibration['burst_req_s']:.2f}) → "
+        f"arrivals at {args.rate:.2f} req/s")
     trace = build_trace(args.rate)
     results["workload"] = {**describe_trace(trace), "rate_per_s": args.rate, "seed": args.seed, "calibration": calibration,
                            "requests": [[r.arrival_s, r.prompt_len, r.output_len] for r in trace]}  # the makespan bound's input

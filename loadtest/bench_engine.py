@@ -44,11 +44,9 @@ def summarize(results: dict[str, Any]) -> None:
         e["floor_share"] = spread(r["output_tok_s"] / r["floor_output_tok_s"] for r in e["runs"] if r.get("floor_output_tok_s"))
         if name != base and e["runs"]:
             e["ratio_vs_baseline"] = spread(paired_ratios(per_repeat, name, base))
-        short = [r["repeat"] for r in e["runs"] if r["output_tokens"] != w["num_requests"] * w["output_len"]]
-        if short:
+        if short := [r["repeat"] for r in e["runs"] if r["output_tokens"] != w["num_requests"] * w["output_len"]]:
             e["warning"] = f"repeats {short}: fewer output tokens than {w['num_requests'] * w['output_len']}"
-    floors = [f for f in results["compute_floors"] if "error" not in f]
-    if floors:
+    if floors := [f for f in results["compute_floors"] if "error" not in f]:
         results["compute_floor"] = {**{k: floors[0][k] for k in ("prefill_flops", "decode_flops", "prefill_rows", "decode_rows")},
                                     **{k: spread(f[k] for f in floors) for k in ("floor_output_tok_s", "decode_tflop_s", "prefill_tflop_s")}}
     ratio = results["engines"].get("native", {}).get("ratio_vs_baseline")
@@ -79,11 +77,9 @@ def body(results: dict[str, Any]) -> list[str]:
         notes += [f"- **{name}**: {e[k]}" for k in ("skipped", "warning") if k in e]
         if "error" in e:
             notes.append(f"- **{name}** failed: `{e['error'].splitlines()[0]}` (traceback in the JSON)")
-        extras = [r["extra"] for r in e["runs"] if r["extra"]]
-        if extras:
+        if extras := [r["extra"] for r in e["runs"] if r["extra"]]:
             notes.append(f"- **{name}** per run: " + "; ".join(f"{k} {[x[k] for x in extras]}" for k in extras[0]))
-    f = results.get("compute_floor")
-    if f:
+    if f := results.get("compute_floor"):
         shares = ", ".join(f"{name} {cell(e['floor_share'], 100, 0)}%" for name, e in results["engines"].items() if e.get("floor_share"))
         notes.append(f"- **compute floor** (loadtest/compute_floor.py, right before each of the {f['floor_output_tok_s']['n']} runs): "
                      f"{cell(f['floor_output_tok_s'], digits=0)} output tok/s = {f['prefill_flops'] / 1e9:.0f} GFLOP prefill at "

@@ -111,8 +111,7 @@ def summarize(spec: pw.WorkloadSpec, rows: list[dict[str, Any]], wall_s: float, 
            "e2e_p99_s": percentile([r["e2e_s"] for r in ok], 0.99), "wall_s": wall_s, "requests_per_s": ratio(len(ok), wall_s),
            "output_tok_s": ratio(sum(len(r["output_ids"]) for r in ok), wall_s), "prompt_tokens": sum(r["prompt_tokens"] for r in ok),
            "cached_tokens": hits, "ideal_cached_tokens": ideal, "hit_ratio_vs_ideal": ratio(hits, ideal), "per_replica": per_replica}
-    later = [r["reproduces_history"] for r in rows if "reproduces_history" in r]
-    if later:
+    if later := [r["reproduces_history"] for r in rows if "reproduces_history" in r]:
         out["history_reproduced"] = sum(later) / len(later)
     if errors:  # (predicted, actual, prompt tokens) per request the prefix-aware router matched
         mae = sum(abs(p - a) for p, a, _ in errors) / len(errors)
@@ -193,8 +192,6 @@ def main() -> None:
     parser = report.Parser(__doc__, "build/bench-prefix-quick", seeds=[0], scale=0.75, num_blocks=256, prefix_words=180)
     parser.add_argument("--routers", nargs="+", default=list(ROUTERS), choices=ROUTERS)
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
-    # 512 blocks (8k tokens): a few requests in flight use a small part of a replica's cache, as in production, so the
-    # prefixes (1.5-1.8x one cache) decide what fits, not the running requests
     parser.options({"num_blocks": "KV blocks per replica (16 tokens each)", "scale": "multiplies request counts",
                     "prefix_words": "words per shared prefix (~1.55 tokens each)"}, num_blocks=512, scale=1.0, prefix_words=360, seeds=[0, 1])
     opts = parser.parse_args()

@@ -23,20 +23,16 @@ def _shapes(cfg: dict[str, Any]) -> list[tuple[int, int]]:
     return [(hidden, q + 2 * kv), (q, hidden), (hidden, 2 * inter), (inter, hidden), (hidden, cfg["vocab_size"])]
 
 
-def token_flops(cfg: dict[str, Any]) -> tuple[int, int, int]:
-    """(the projections' FLOPs per token, the lm_head's per sampled row, attention's per (query, key) pair)."""
-    *layer, (hidden, vocab) = _shapes(cfg)
-    return 2 * cfg["num_hidden_layers"] * sum(k * n for k, n in layer), 2 * hidden * vocab, 4 * cfg["num_hidden_layers"] * layer[1][0]
-
-
 def w1_flops(cfg: dict[str, Any], num_requests: int, prompt_len: int, output_len: int) -> dict[str, float]:
-    per_token, head, attn_per_ctx = token_flops(cfg)
+    *layer, (hidden, vocab) = _shapes(cfg)
+    # the projections' FLOPs per token, the lm_head's per sampled row, attention's per (query, key) pair
+    layers = cfg["num_hidden_layers"]
+    per_token, head, attn_per_ctx = 2 * layers * sum(k * n for k, n in layer), 2 * hidden * vocab, 4 * layers * layer[1][0]
     # the prompt token at position p attends over p + 1 keys; decode step i (1-based) feeds the token at
     # position prompt_len + i - 1, which attends over prompt_len + i keys
     prefill = num_requests * (prompt_len * per_token + head + attn_per_ctx * prompt_len * (prompt_len + 1) / 2)
     decodes = output_len - 1
-    decode_ctx = sum(prompt_len + i for i in range(1, decodes + 1))
-    decode = num_requests * (decodes * (per_token + head) + attn_per_ctx * decode_ctx)
+    decode = num_requests * (decodes * (per_token + head) + attn_per_ctx * sum(prompt_len + i for i in range(1, decodes + 1)))
     return {"prefill_flops": prefill, "decode_flops": decode}
 
 

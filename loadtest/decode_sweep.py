@@ -37,8 +37,7 @@ def weight_bytes(runner: ModelRunner) -> int:
     """Bytes a decode step streams: every projection and norm and the lm_head; not the embedding table
     (a step reads b of its rows), unless the head is tied to it (then it is read as the head)."""
     model = runner.model
-    tied_head = model.embed.numel() * model.embed.element_size() if model.lm_head is None else 0
-    return sum(p.numel() * p.element_size() for name, p in model.named_parameters() if name != "embed") + tied_head
+    return sum(p.numel() * p.element_size() for name, p in model.named_parameters() if name != "embed" or model.lm_head is None)
 
 
 def decode_batch(b: int, context: int, block_size: int) -> SchedulerOutput:

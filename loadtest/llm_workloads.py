@@ -50,8 +50,7 @@ def filler_text(rng: random.Random, num_words: int) -> str:
 
 
 def shared_system_prompt(num_words: int = 400) -> str:
-    rng = random.Random(SYSTEM_PROMPT_SEED)
-    return "You are a helpful assistant for an online store. Store policies follow. " + filler_text(rng, num_words)
+    return "You are a helpful assistant for an online store. Store policies follow. " + filler_text(random.Random(SYSTEM_PROMPT_SEED), num_words)
 
 
 @dataclass(frozen=True)
@@ -89,8 +88,7 @@ class Workload:
             raise ValueError(f"profile: must be one of {PROFILES}, got {profile!r}")
         if turns < 1:
             raise ValueError("turns: must be >= 1")
-        self.profile, self.rng, self.turns = profile, rng, turns
-        self.max_tokens = max_tokens  # 0: the profile's own lengths
+        self.profile, self.rng, self.turns, self.max_tokens = profile, rng, turns, max_tokens  # max_tokens 0: the profile's own
         self.messages: list[dict] = []  # shared-prefix: this user's conversation so far
         self.turn = 0
         self._system = shared_system_prompt() if profile == "shared-prefix" else ""
@@ -112,8 +110,7 @@ class Workload:
         return LLMRequest(messages, self._cap(self.rng.randint(32, 96)), "short", "chat")
 
     def _long(self, max_tokens: int, tag: str) -> LLMRequest:
-        document = filler_text(self.rng, 1000)  # ≈ 1,100 tokens, different for every request
-        content = f"Summarize the following document in a few sentences.\n\n{document}"
+        content = "Summarize the following document in a few sentences.\n\n" + filler_text(self.rng, 1000)  # ≈ 1,100 tokens, each new
         return LLMRequest(({"role": "user", "content": content},), self._cap(max_tokens), tag, "completions")
 
     def _next_turn(self) -> LLMRequest:
@@ -144,9 +141,7 @@ class PoissonArrivals:
         self._next: float | None = None
 
     def claim(self, now: float) -> float:
-        if self._next is None:
-            self._next = now
-        self._next += self.rng.expovariate(self.rate_per_s)
+        self._next = (now if self._next is None else self._next) + self.rng.expovariate(self.rate_per_s)
         return self._next
 
 

@@ -28,7 +28,6 @@ from loadtest.client import Stream
 from loadtest.llm_workloads import APIS, ENDPOINTS, PROFILES, PoissonArrivals, Workload, api_base, choose_api
 
 logger = logging.getLogger("llm-locust")
-FAILURE_BACKOFF_S = 1.0
 
 
 # what every user of this process shares (set as the test starts): resolved options, the Poisson clock, the records
@@ -55,14 +54,6 @@ def _auth(api_key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
-def discover_model(base: str, api_key: str, timeout_s: float = 30.0) -> str:
-    with urllib.request.urlopen(urllib.request.Request(f"{base}/models", headers=_auth(api_key)), timeout=timeout_s) as response:  # noqa: S310
-        models = json.load(response)["data"]
-    if not models:
-        raise RuntimeError(f"{base}/models lists no model")
-    return models[0]["id"]
-
-
 @events.test_start.add_listener
 def _on_test_start(environment, **_kwargs) -> None:
     opts = environment.parsed_options
@@ -71,8 +62,10 @@ def _on_test_start(environment, **_kwargs) -> None:
     STATE.process_seed = opts.seed * 1_000_003 + 7919 * worker_index  # distinct per --processes worker
     STATE.arrivals = PoissonArrivals(opts.arrival_rate, STATE.process_seed) if opts.arrival_rate > 0 else None
     if not STATE.model:
-        try:
-            STATE.model = discover_model(STATE.base, opts.api_key)
+        try:  # the first model the server lists
+            request = urllib.request.Request(f"{STATE.base}/models", headers=_auth(opts.api_key))
+            with urllib.request.urlopen(request, timeout=30) as response:  # noqa: S310
+                STATE.model = json.load(response)["data"][0]["id"]
         except Exception as exc:  # noqa: BLE001 - every request will then fail and say why
             logger.error("could not list models at %s/models (%r); pass --model", STATE.base, exc)
             STATE.model = "unknown"
@@ -164,7 +157,7 @@ class OpenAIStreamingUser(FastHttpUser):
                                                          response_length=0, exception=None, context={})
         self.workload.record_reply("".join(result.text) if ok else "")
         if not ok and STATE.arrivals is None:
-            time.sleep(FAILURE_BACKOFF_S)  # closed loop: no hot loop against a server that is down
+            time.sleep(1.0)  # closed loop: no hot loop against a server that is down
         if self.environment.parsed_options.records:
             STATE.records.append({"start_time": sent_at, "end_time": sent_at + result.end, "name": name, "api": api, "tag": request.tag, "ok": ok,
                                   "error": result.error, "ttft_s": ttft_s, "tpot_s": tpot_s if ok else None, "e2e_s": result.end,
