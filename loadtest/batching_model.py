@@ -132,7 +132,6 @@ def timeline_segments(steps: list[StepRecord]) -> dict[str, list[tuple[float, fl
     return {rid: [tuple(s) for s in segs] for rid, segs in spans.items()}
 
 
-# ---- the step-cost model -------------------------------------------------------------------------
 def fit_step_cost(steps: list[dict]) -> tuple[float, float, float, float] | None:
     """Least squares: step seconds = fixed + per_decode x decode tokens + per_prompt x prompt tokens;
     (fixed, per_decode, per_prompt, R²), or None with fewer than 3 distinct step shapes."""

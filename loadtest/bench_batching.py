@@ -1,7 +1,6 @@
-"""W2 batching study (docs/benchmarks.md): one seeded Poisson trace (loadtest/batching_model.py) replayed against
-the same in-process AsyncLLMEngine under `static`, `dynamic` and `continuous` batching (only admission
-differs), arriving at `--load` (1.5) x the capacity calibrated first (the step-cost model fitted to a burst);
-then the step-cost model over every step and the shortest makespan any admission policy could reach.
+"""W2 batching study (docs/benchmarks.md): one seeded Poisson trace (loadtest/batching_model.py) at `--load` × the
+capacity calibrated first, replayed against one in-process AsyncLLMEngine under `static`, `dynamic` and `continuous`
+batching; then the step-cost model over every step and the shortest makespan any admission policy could reach.
 
     .venv/bin/python -m loadtest.bench_batching [--quick]   # reports/batching.* (--quick: 16 requests → build/bench-batching-quick/)
 """

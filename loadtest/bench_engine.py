@@ -62,8 +62,7 @@ def body(results: dict[str, Any]) -> list[str]:
              f"tokens, greedy, ignore_eos, {w['dtype']} on {w['device']}, all at once; model `{w['model']}`. Each engine in its own "
              f"process, warmed up once, {s['repeats']} interleaved repeats; cells: median (min–max) over repeats; the ratio is paired "
              f"per repeat; total tok/s counts prompt + output tokens; peak RSS: the worker's process tree.", ""]
-    if "target" in results:
-        t = results["target"]
+    if t := results.get("target"):
         lines += [f"Target ({t['goal']}): {t['measured_median_ratio']:.2f}× → {'met' if t['met'] else '**not met**'}.", ""]
     rows, notes = [], []
     for name, e in results["engines"].items():
@@ -165,8 +164,7 @@ def main(argv: list[str] | None = None) -> int:
                     log(f"repeat {rep + 1} {name}: FAILED: {exc}")
                     retire(name)
                     continue
-                wall = time.perf_counter() - wall
-                other = machine.busy_cpu_s() - busy - (machine.own_cpu_s() - ours)
+                wall, other = time.perf_counter() - wall, machine.busy_cpu_s() - busy - (machine.own_cpu_s() - ours)
                 out = sum(len(t) for t in res.token_ids)
                 e["runs"].append({"repeat": rep, "elapsed_s": res.elapsed_s, "output_tokens": out, "output_tok_s": out / res.elapsed_s,
                                   "total_tok_s": (out + args.num_requests * args.prompt_len) / res.elapsed_s, "extra": res.extra,

@@ -1,8 +1,6 @@
-"""An engine dies under steady load: how many requests fail, and which. The app with 2 LLMServer replicas in a
-private Ray; `--streams` client loops stream completions back to back through Serve's proxy; after
-`--warmup-s` one replica's engine loop is killed (tests/serving/faults.py) and the load goes on for
-`--after-s`. Target: only requests in flight on the dead replica fail. `exit` mode is the shipped behaviour
-(the replica exits, routers drop it); `health-check` leaves it to Serve's health check, for comparison.
+"""An engine dies under steady load (docs/failure-handling.md): 2 replicas, `--streams` client loops through Serve's
+proxy; after `--warmup-s` one replica's engine loop is killed (tests/serving/faults.py), the load goes on `--after-s`.
+Target: only the dead replica's requests in flight fail; `exit` (shipped: the replica exits) vs `health-check` mode.
 
     .venv/bin/python -m loadtest.bench_engine_death     # make bench-engine-death → reports/engine_death.{json,md}
 """

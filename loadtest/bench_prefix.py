@@ -1,8 +1,6 @@
-"""W4 prefix routing: prefix-aware vs occupancy-only (`kv_aware`), power of two, round robin and Ray's
-`PrefixCacheAffinityRouter` (loadtest/ray_prefix_router.py) on the workloads of loadtest/prefix_workloads.py,
-replayed closed loop through the LLMServer handle of 2 replicas, with the text (Ray's router reads it) and the
-token ids (ours hashes them); one replay per seed, pooled. Prefix-cache hits against the ideal, TTFT,
-throughput, the prefix-aware router's predicted − actual cached tokens.
+"""W4 prefix routing (docs/benchmarks.md): prefix-aware vs `kv_aware`, pow2, round robin and Ray's router
+(loadtest/ray_prefix_router.py) on the workloads of loadtest/prefix_workloads.py, replayed closed loop through the
+handle of 2 replicas with the text (Ray's router reads it) and the token ids (ours hashes them); seeds pooled.
 
     make bench-prefix                                     # reports/prefix_routing.* (--quick: build/bench-prefix-quick/)
 """

@@ -1,6 +1,5 @@
-"""W3 routing (docs/benchmarks.md): KV-aware vs power-of-two vs round-robin. Per router, 2 LLMServer replicas
-(small KV caches) in a private Ray; the same seeded open-loop traces through the LLMServer handle — **skewed**
-(~12% 384 → 128-token requests among 48 → 16) and **uniform** (the mix's mean size) — at `--load` x the
+"""W3 routing (docs/benchmarks.md): KV-aware vs power-of-two vs round-robin, each on 2 LLMServer replicas (small KV
+caches) in a private Ray, replaying the same seeded skewed and uniform traces through the handle at `--load` × the
 capacity a closed loop measured first; one replay per seed, pooled, each seed's ratio as the spread.
 
     .venv/bin/python -m loadtest.bench_routing [--quick]   # reports/routing.* (--quick: one seed → build/bench-routing-quick/)
@@ -48,8 +47,7 @@ class Mix:
 
 
 def make_trace(name: str, mix: Mix, rate: float, duration_s: float, seed: int, vocab: int = 49152) -> list[TraceRequest]:
-    """Poisson arrivals at `rate`/s for `duration_s`, random prompts, `klass` the request's kind ("long", "short" or "uniform");
-    `name`: "skewed" or "uniform"."""
+    """Trace `name` (TRACES): Poisson arrivals at `rate`/s for `duration_s`, random prompts, `klass` "long", "short" or "uniform"."""
     if name not in TRACES:
         raise ValueError(f"trace: one of {TRACES}, got {name!r}")
     rng, out = random.Random(seed), []
@@ -125,7 +123,6 @@ def request_router(handle: Any) -> Any:
         return None
 
 
-# ---- load ----------------------------------------------------------------------------------------------
 async def send(handle: Any, request_id: str, prompt: list[int], max_tokens: int, start: float) -> tuple[float | None, float, int]:
     """One streamed generation through the handle; (TTFT, e2e, output tokens) from `start` (loop clock)."""
     loop, ttft, tokens = asyncio.get_running_loop(), None, 0
@@ -222,7 +219,6 @@ def run_router(router: str, opts: argparse.Namespace, mix: Mix, probe_dir: Path,
     return out, rate
 
 
-# ---- report ---------------------------------------------------------------------------------------------
 def body(results: dict[str, Any]) -> list[str]:
     m, w = results["mix"], results["workload"]
     lines = [f"Seeds {w['seeds']}, {w['duration_s']:.0f} s of arrivals at {num(w.get('rate_req_s'))} req/s = {w['load']} × the calibrated capacity "
@@ -251,7 +247,6 @@ def body(results: dict[str, Any]) -> list[str]:
 
 
 def write_report(results: dict[str, Any], out_dir: Path) -> list[Path]:
-    """routing.{json,md,png}."""
     plot = report.bars("TTFT p99 by trace and router (pooled over seeds)", "seconds",
                        {t: {router: r["runs"].get(t, {}).get("ttft_p99_s") for router, r in results["routers"].items()} for t in TRACES})
     return report.write(results, out_dir, "routing", "W3 routing: KV-aware vs power-of-two vs round-robin", body(results), {"routing": plot})

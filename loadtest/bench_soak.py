@@ -1,8 +1,6 @@
-"""Soak: does an LLMServer replica's memory plateau under sustained streamed load? The app (`--config`'s serving
-options, 2 replicas) in a private Ray; rounds of streamed completions through the proxy, `--concurrency` at once
-(beyond what it admits: some 503s, as in production); after each round, every replica idle for `SETTLE_S`
-(past its heap trim), each replica's RSS. One warm-up round, then `--rounds`: growth from the end of the
-warm-up to the end (target < 2%) and the fitted bytes per request.
+"""Soak (docs/operations.md#memory-under-sustained-load): the app (`--config`'s options, 2 replicas) in a private Ray,
+rounds of streamed completions through the proxy, `--concurrency` at once (some 503s), each replica's RSS after every
+round once idle for SETTLE_S; one warm-up round, then `--rounds`: the growth after it (target < 2%), bytes per request.
 
     .venv/bin/python -m loadtest.bench_soak [--quick]   # reports/soak.* (--quick: 60-request rounds → build/bench-soak-quick/)
 """

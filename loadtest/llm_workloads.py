@@ -1,8 +1,6 @@
-"""Load-test workload profiles (pure Python: no Locust): `short-chat` (short questions, 32-96-token replies),
-`long-prompt` (a ~1,100-token document to summarize, 64 tokens), `skewed` (90% short-chat, 10% long with a
-256-token reply) and `shared-prefix` (multi-turn chats on one ~450-token system prompt, each user keeping its
-conversation for `turns` turns). A request carries both renderings (chat `messages`, a transcript `prompt`);
-everything is drawn from the caller's seeded `random.Random`.
+"""Load-test workload profiles (pure Python: no Locust), as docs/loadtest.md lists them; each user keeps a
+`shared-prefix` conversation for `turns` turns. A request carries both renderings (chat `messages`, a transcript
+`prompt`); everything is drawn from the caller's seeded `random.Random`.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
-"""Locust load test for any OpenAI-compatible server (ours, vLLM's, ...): streamed chat and text completions,
-workloads from loadtest/llm_workloads.py, LLM metrics as Locust events of type `LLM` (`ttft_ms`, `tpot_ms`,
-`e2e_ms`, `output_tokens`, whose "response time" columns hold token counts) and per-request records
-(`--records`). A request fails on an HTTP error, an error event, a stream without `[DONE]`, or no text unless it
-said why it finished (an empty reply: a success without TTFT). Closed loop (users, `--think-time`) or open loop
-(`--arrival-rate`: Poisson, one clock per process; the records keep each request's lag). Run it as its own
-process from the repository root (Locust monkey-patches with gevent: never next to Ray or vLLM):
+"""Locust load test for any OpenAI-compatible server (docs/loadtest.md): streamed chat and text completions, LLM
+metrics as Locust events of type `LLM`, per-request records (`--records`). A request fails on an HTTP error, an error
+event, a stream without `[DONE]`, or no text unless it said why it finished (an empty reply: a success without TTFT).
+Run it as its own process from the repository root (Locust monkey-patches with gevent: never next to Ray or vLLM):
 
     .venv/bin/locust -f loadtest/locustfile.py --host http://127.0.0.1:8000 --headless -u 8 -r 4 -t 60s --workload skewed
 """

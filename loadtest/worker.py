@@ -6,6 +6,7 @@ worker goes on serving after a failed call, not after a failed build or its deat
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import multiprocessing as mp
 import threading
@@ -93,10 +94,8 @@ class Worker:
 
     def stop(self) -> None:
         self._halt.set()
-        try:
+        with contextlib.suppress(OSError):
             self.conn.send(("stop", ()))
-        except OSError:
-            pass
         self.proc.join(30)
         if self.proc.is_alive():
             for p in machine.tree(self.proc.pid)[1:]:  # e.g. vLLM's engine-core process
