@@ -156,8 +156,7 @@ def makespan_lower_bound(requests: list[tuple[float, int, int]], fixed: float, p
     t0 = reqs[0][0]
     tok = [per_decode * (out - 1) + per_prompt * prompt for _, prompt, out in reqs]
     total_tok = sum(tok)
-    work_s = chain_s = before_tok = suffix_tok = 0.0
-    suffix_decodes = 0
+    work_s = chain_s = before_tok = suffix_tok = suffix_decodes = 0.0
     for i in range(len(reqs) - 1, -1, -1):
         suffix_decodes += reqs[i][2] - 1
         suffix_tok += tok[i]

@@ -163,32 +163,28 @@ def body(results: dict[str, Any]) -> list[str]:
     return lines + ["Timelines: a row per request, by arrival; grey queued, orange prefill, blue decode.", ""]
 
 
-def _timeline(ax, policy: dict[str, Any], name: str, x_max: float) -> None:
-    from matplotlib.patches import Patch
-
-    steps = [StepRecord(**{**s, "batch": tuple(tuple(b) for b in s["batch"])}) for s in policy["steps"]]
-    segments, s = timeline_segments(steps), policy["summary"]
-    for r in policy["requests"]:
-        queued_until = r["first_scheduled_s"] if r["first_scheduled_s"] is not None else (r["finished_s"] or x_max)
-        ax.broken_barh([(r["arrival_s"], max(queued_until - r["arrival_s"], 1e-3))], (r["index"] - 0.4, 0.8), color=COLORS["queued"])
-        for kind in ("prefill", "decode"):
-            spans = [(a, b - a) for a, b, k in segments.get(r["request_id"], ()) if k == kind]
-            ax.broken_barh(spans, (r["index"] - 0.4, 0.8), color=COLORS[kind])
-    ax.set(xlim=(0, x_max), ylim=(len(policy["requests"]) - 0.5, -0.5), ylabel="request (by arrival)")
-    ax.set_title(f"{name}: {s['output_tok_s']:.1f} output tok/s, TTFT p50 {num(s['ttft_p50_s'], 1)} s, mean batch "
-                 f"{s['mean_batch_size']:.1f}, makespan {s['makespan_s']:.0f} s", fontsize=10, loc="left")
-    ax.legend(handles=[Patch(color=c, label=k) for k, c in COLORS.items()], loc="upper right", fontsize=7, ncol=3)
-
-
 def plots(results: dict[str, Any]) -> dict[str, report.Plot]:
     policies = results["policies"]
     x_max = max(p["summary"]["makespan_s"] for p in policies.values()) * 1.02 + 0.5
 
-    def timelines(plt):
+    def timelines(plt):  # a row per request: queued, then its prefill and decode steps
+        from matplotlib.patches import Patch
+
         height = max(2.5, 0.09 * results["workload"]["num_requests"] + 1)
         fig, axes = plt.subplots(len(policies), 1, figsize=(11, height * len(policies)), sharex=True, squeeze=False)
-        for ax, name in zip(axes[:, 0], policies, strict=True):
-            _timeline(ax, policies[name], name, x_max)
+        for ax, (name, policy) in zip(axes[:, 0], policies.items(), strict=True):
+            segments = timeline_segments([StepRecord(**{**s, "batch": tuple(tuple(b) for b in s["batch"])}) for s in policy["steps"]])
+            for r in policy["requests"]:
+                queued_until = r["first_scheduled_s"] if r["first_scheduled_s"] is not None else (r["finished_s"] or x_max)
+                ax.broken_barh([(r["arrival_s"], max(queued_until - r["arrival_s"], 1e-3))], (r["index"] - 0.4, 0.8), color=COLORS["queued"])
+                for kind in ("prefill", "decode"):
+                    spans = [(a, b - a) for a, b, k in segments.get(r["request_id"], ()) if k == kind]
+                    ax.broken_barh(spans, (r["index"] - 0.4, 0.8), color=COLORS[kind])
+            s = policy["summary"]
+            ax.set(xlim=(0, x_max), ylim=(len(policy["requests"]) - 0.5, -0.5), ylabel="request (by arrival)")
+            ax.set_title(f"{name}: {s['output_tok_s']:.1f} output tok/s, TTFT p50 {num(s['ttft_p50_s'], 1)} s, mean batch "
+                         f"{s['mean_batch_size']:.1f}, makespan {s['makespan_s']:.0f} s", fontsize=10, loc="left")
+            ax.legend(handles=[Patch(color=c, label=k) for k, c in COLORS.items()], loc="upper right", fontsize=7, ncol=3)
         axes[-1, 0].set_xlabel("time since the first arrival (s)")
         return fig
 

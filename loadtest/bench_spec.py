@@ -86,25 +86,21 @@ class SpecEngines:
         self.opts, self.tokenizer, self.recorder, self.engines = opts, AutoTokenizer.from_pretrained(opts["model"]), RecordingLogger(), {}
         for setting in opts["settings"]:
             kind, spec = SETTINGS[setting]
-            self.engines[setting] = self._native(spec) if kind == "native" else self._vllm(spec)
+            if kind == "native":
+                from serve_app.engine import LLM
+
+                llm = LLM(opts["model"], stat_loggers=[self.recorder], dtype=opts["dtype"], max_num_seqs=64, kv_cache_memory_gib=0.75, speculative=spec)
+            else:
+                vllm_cpu_env(1)  # with the same OpenMP threads as the native engine gets (cores 0..threads-1)
+                os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{opts['threads'] - 1}" if opts["threads"] > 1 else "0")
+                from vllm import LLM
+
+                from serve_app.backends.vllm_options import VLLMOptions
+
+                llm = LLM(model=opts["model"], dtype=opts["dtype"], seed=0, max_num_seqs=64, enforce_eager=True, disable_log_stats=False,
+                          speculative_config=VLLMOptions(speculative=spec).async_engine_args("m", "m").get("speculative_config"))
+            self.engines[setting] = llm
             self.run(setting, "open", 2, 2, seed=99)  # warm-up
-
-    def _native(self, spec: dict[str, Any] | None):
-        from serve_app.engine import LLM
-
-        return LLM(self.opts["model"], stat_loggers=[self.recorder], dtype=self.opts["dtype"], max_num_seqs=64, kv_cache_memory_gib=0.75, speculative=spec)
-
-    def _vllm(self, spec: dict[str, Any] | None):
-        vllm_cpu_env(1)
-        # the same OpenMP threads as the native engine gets (cores 0..threads-1)
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{self.opts['threads'] - 1}" if self.opts["threads"] > 1 else "0")
-        from vllm import LLM
-
-        from serve_app.backends.vllm_options import VLLMOptions
-
-        config = VLLMOptions(speculative=spec).async_engine_args("m", "m").get("speculative_config")
-        return LLM(model=self.opts["model"], dtype=self.opts["dtype"], seed=0, max_num_seqs=64, enforce_eager=True, disable_log_stats=False,
-                   speculative_config=config)
 
     def _vllm_counters(self, llm) -> list[float]:
         names = ("vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens", "vllm:spec_decode_num_drafts")

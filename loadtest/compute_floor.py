@@ -91,8 +91,7 @@ class Floor:
         """The run's FLOPs, the two rates, the floor time and output tok/s."""
         o, cfg = self.opts, self.cfg
         flops = w1_flops(cfg, o["num_requests"], o["prompt_len"], o["output_len"])
-        decode_rows = min(o["num_requests"], o["max_num_seqs"])
-        prefill_rows = min(o["num_requests"] * o["prompt_len"], o["max_num_batched_tokens"])
+        decode_rows, prefill_rows = min(o["num_requests"], o["max_num_seqs"]), min(o["num_requests"] * o["prompt_len"], o["max_num_batched_tokens"])
         decode_rate = matmul_rate(cfg, decode_rows, o["dtype"], o["device"])
         prefill_rate = matmul_rate(cfg, prefill_rows, o["dtype"], o["device"], with_head=False)
         floor_s = flops["prefill_flops"] / prefill_rate + flops["decode_flops"] / decode_rate

@@ -8,6 +8,7 @@ and token throughput over the run, failures, per request class, the TTFT CDF and
 from __future__ import annotations
 
 import collections
+import functools
 import glob
 import json
 import math
@@ -69,8 +70,7 @@ def time_series(records: list[dict], bin_s: float | None = None) -> dict[str, li
 
 
 def body(s: dict[str, Any], settings: str) -> list[str]:
-    def ms(v: float | None) -> str:
-        return num(v, 0, 1000)
+    ms = functools.partial(num, digits=0, scale=1000)
 
     def row(label: str, d: dict) -> list[str]:
         return [label, ms(d["p50"]), ms(d["p90"]), ms(d["p99"]), ms(d["mean"]), d["n"]]

@@ -110,10 +110,9 @@ class OpenAIStreamingUser(FastHttpUser):
         return 0.0
 
     def body(self, request, api: str) -> dict:
-        opts = self.environment.parsed_options
-        body = {"model": STATE.model, "max_tokens": request.max_tokens, "temperature": 0.0, "stream": True,
-                "stream_options": {"include_usage": True}, **({"ignore_eos": True} if opts.ignore_eos else {})}
-        return {**body, **({"messages": list(request.messages)} if api == "chat" else {"prompt": request.prompt})}
+        return {"model": STATE.model, "max_tokens": request.max_tokens, "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True},
+                **({"ignore_eos": True} if self.environment.parsed_options.ignore_eos else {}),
+                **({"messages": list(request.messages)} if api == "chat" else {"prompt": request.prompt})}
 
     @task
     def stream(self) -> None:

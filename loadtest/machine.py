@@ -6,6 +6,7 @@ adds the one after). psutil is optional (the GPU check machine's python lacks it
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import math
 import os
@@ -36,17 +37,15 @@ def parse_cpu_info(text: str) -> dict[str, Any]:
 
 
 def _run(*cmd: str) -> str:
-    try:
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
         return subprocess.run(cmd, capture_output=True, text=True, timeout=10, cwd=REPO).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return ""
+    return ""
 
 
 def _version(package: str) -> str | None:
-    try:
+    with contextlib.suppress(importlib.metadata.PackageNotFoundError):
         return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        return None
+    return None
 
 
 def load_average() -> list[float]:
@@ -95,22 +94,18 @@ def wait_quiet(timeout_s: float = 5.0, window_s: float = 0.1, busy_cores: float 
 
 def tree(pid: int) -> list:
     """The process and its descendants (psutil.Process); [] without psutil or once it is gone."""
-    if psutil is None:
-        return []
-    try:
-        proc = psutil.Process(pid)
-        return [proc, *proc.children(recursive=True)]
-    except psutil.Error:
-        return []
+    if psutil is not None:
+        with contextlib.suppress(psutil.Error):
+            proc = psutil.Process(pid)
+            return [proc, *proc.children(recursive=True)]
+    return []
 
 
 def _each(procs: list, read) -> float:
     total = 0.0
     for p in procs:
-        try:
+        with contextlib.suppress(psutil.Error):  # it exited: counts 0
             total += read(p)
-        except psutil.Error:  # it exited: counts 0
-            pass
     return total
 
 

@@ -90,8 +90,7 @@ def cacheable(prompt_ids: list[int]) -> int:
 def group_ideal_hits(requests: list[tuple[int, list[int]]]) -> dict[int, int]:
     """Per group: the ideal cached tokens of its requests after the first (in arrival order), each against the
     group's first. `requests`: (group, prompt ids); group -1 shares nothing."""
-    first: dict[int, list[int]] = {}
-    hits: dict[int, int] = {}
+    first, hits = {}, {}  # group → its first prompt's ids, the hit tokens of its later ones
     for group, ids in (r for r in requests if r[0] >= 0):
         if group in first:
             hits[group] += min(common_blocks(first[group], ids), cacheable(ids)) * BLOCK

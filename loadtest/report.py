@@ -26,10 +26,9 @@ class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpF
 
 
 class Parser(argparse.ArgumentParser):
-    """A benchmark's command line: its module docstring as help, `--out-dir` (default reports) and, with
-    `quick_dir`, `--quick`: a smoke run into `quick_dir` with the `quick` option values (where an option
-    is left at its default); `quick_note`: what else the smoke run changes; `model`: with `--model` (the
-    repository's model by default)."""
+    """A benchmark's command line: its module docstring as help, `--out-dir` (default reports), with `model` a
+    `--model` (the repository's), with `quick_dir` a `--quick`: a smoke run into `quick_dir` with the `quick` values
+    of the options left at their defaults (`quick_note`: what else it changes)."""
 
     def __init__(self, doc: str | None, quick_dir: str = "", quick_note: str = "", model: bool = False, **quick: Any) -> None:
         super().__init__(description=doc, formatter_class=_Help)

@@ -26,8 +26,7 @@ def percentile(values: Iterable[float], q: float) -> float | None:
 
 def spread(values: Iterable[float]) -> dict[str, float] | None:
     """{"median", "min", "max", "n"} of repeated measurements; None for none."""
-    values = list(values)
-    if not values:
+    if not (values := list(values)):
         return None
     return {"median": percentile(values, 0.5), "min": min(values), "max": max(values), "n": len(values)}
 
