@@ -153,8 +153,7 @@ def makespan_lower_bound(requests: list[tuple[float, int, int]], fixed: float, p
     bound and the chain bound (docs/benchmarks.md#w2-the-batching-study-make-bench-batching); a request of P
     prompt tokens needs ceil(P / `budget`) steps, a decode step holds `cap` sequences."""
     reqs = sorted(requests)
-    t0 = reqs[0][0]
-    tok = [per_decode * (out - 1) + per_prompt * prompt for _, prompt, out in reqs]
+    t0, tok = reqs[0][0], [per_decode * (out - 1) + per_prompt * prompt for _, prompt, out in reqs]
     total_tok = sum(tok)
     work_s = chain_s = before_tok = suffix_tok = suffix_decodes = 0.0
     for i in range(len(reqs) - 1, -1, -1):

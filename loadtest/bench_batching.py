@@ -81,8 +81,7 @@ def run_policy(args: argparse.Namespace, policy: str, trace: list[TraceRequest])
     from serve_app.engine.async_engine import AsyncLLMEngine
 
     recorder, kwargs = RecordingLogger(), engine_kwargs(args, policy)
-    engine = AsyncLLMEngine.from_kwargs(args.model, stat_loggers=[recorder], **kwargs)
-    loop = asyncio.new_event_loop()
+    engine, loop = AsyncLLMEngine.from_kwargs(args.model, stat_loggers=[recorder], **kwargs), asyncio.new_event_loop()
     try:  # warm-up (kernels, allocator), not measured
         loop.run_until_complete(_replay(engine, [TraceRequest(i, 0.0, "warm-up", tuple(range(1000 + i, 1096 + i)), 4) for i in range(2)],
                                         f"warmup-{policy}", 60))
@@ -208,8 +207,7 @@ def main(argv: list[str] | None = None) -> None:
     import torch
     from transformers import AutoConfig
 
-    results = report.start("bench_batching")
-    vocab = AutoConfig.from_pretrained(args.model).vocab_size
+    results, vocab = report.start("bench_batching"), AutoConfig.from_pretrained(args.model).vocab_size
 
     def build_trace(rate: float) -> list[TraceRequest]:
         trace = make_trace(args.num_requests, rate, args.seed, vocab_size=vocab)

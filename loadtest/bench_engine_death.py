@@ -43,8 +43,7 @@ async def drive(client: Completions, opts: argparse.Namespace, fault_file: Path,
     tasks = [asyncio.create_task(client_loop(client, i, stop_at, records, opts.max_tokens)) for i in range(opts.streams)]
     await asyncio.sleep(opts.warmup_s)
     placed = {rid: s["num_running"] + s["num_waiting"] for rid, s in (await asyncio.to_thread(server.routing_stats, APP)).items()}
-    victim = max(sorted(placed), key=placed.__getitem__)
-    death, replaced_at = time.perf_counter(), None
+    victim, death, replaced_at = max(sorted(placed), key=placed.__getitem__), time.perf_counter(), None
     fault_file.write_text(victim)  # its engine loop dies at its next step
     while replaced_at is None and time.perf_counter() < stop_at + 120:
         replaced_at = time.perf_counter() if await asyncio.to_thread(replaced, victim) else None
@@ -77,8 +76,7 @@ def main() -> None:
     parser = report.Parser(__doc__)
     parser.add_argument("--modes", nargs="+", default=["exit", "health-check"], choices=["exit", "health-check"])
     parser.options(streams=8, max_tokens=32, warmup_s=10.0, after_s=30.0)
-    opts = parser.parse_args()
-    results = report.start("bench_engine_death")
+    opts, results = parser.parse_args(), report.start("bench_engine_death")
     results.update({k: getattr(opts, k) for k in ("streams", "max_tokens", "warmup_s", "after_s")})
     fault_file = Path(tempfile.mkdtemp(prefix="engine-death-")) / "fault"
     with server.ray_started(APP, {FAULT_FILE_ENV: str(fault_file)}):  # replicas inherit it

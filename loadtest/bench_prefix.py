@@ -124,7 +124,7 @@ def run_router(router: str, opts: argparse.Namespace, tokenizer: Any, probe_dir:
     cache_tokens = opts.num_blocks * pw.BLOCK
     with server.deployed(args, f"bench-prefix-{router}") as app:
         out: dict[str, Any] = {"router": router, "deploy_s": app.startup_s, "workloads": {}}
-        for workload in opts.workloads:
+        for workload in WORKLOADS:
             pooled, errors, wall, per_replica = [], [], 0.0, {}
             for seed in opts.seeds:
                 spec = pw.make_workloads(cache_tokens, seed, opts.scale, prefix_words=opts.prefix_words)[workload]
@@ -188,8 +188,6 @@ def body(results: dict[str, Any]) -> list[str]:
 
 def main() -> None:
     parser = report.Parser(__doc__, "build/bench-prefix-quick", seeds=[0], scale=0.75, num_blocks=256, prefix_words=180)
-    parser.add_argument("--routers", nargs="+", default=list(ROUTERS), choices=ROUTERS)
-    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
     parser.options({"num_blocks": "KV blocks per replica (16 tokens each)", "scale": "multiplies request counts",
                     "prefix_words": "words per shared prefix (~1.55 tokens each)"}, num_blocks=512, scale=1.0, prefix_words=360, seeds=[0, 1])
     opts = parser.parse_args()
@@ -197,16 +195,16 @@ def main() -> None:
 
     tokenizer = InputProcessor(str(server.MODEL), 49152, 8192)  # as the ingress does
     results = report.start("bench_prefix")
-    results.update(routers={}, workload={"num_blocks": opts.num_blocks, "seeds": opts.seeds, "scale": opts.scale, "names": opts.workloads,
+    results.update(routers={}, workload={"num_blocks": opts.num_blocks, "seeds": opts.seeds, "scale": opts.scale, "names": list(WORKLOADS),
                                          "prefix_words": opts.prefix_words})
     with server.probed("bench-prefix") as probe_dir, contextlib.closing(asyncio.new_event_loop()) as loop:
-        for router in opts.routers:
+        for router in ROUTERS:
             results["routers"][router] = run_router(router, opts, tokenizer, probe_dir, loop)
             results["targets"] = targets(results)  # after each router: a run cut short still leaves its results
             paths = report.write(results, opts.out_dir, "prefix_routing", "W4 prefix routing: prefix-aware vs occupancy-only, power of two, "
                                  "round robin, Ray's PrefixCacheAffinityRouter", body(results), {"prefix_routing": report.bars(
                 "TTFT p50 by workload and router", "seconds", {w: {r: v["workloads"].get(w, {}).get("ttft_p50_s") for r, v in results["routers"].items()}
-                                                               for w in opts.workloads})})
+                                                               for w in WORKLOADS})})
     print(paths[1].read_text())
 
 

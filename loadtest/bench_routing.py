@@ -259,8 +259,7 @@ def main() -> None:
                    duration=32.0, load=0.85, calibrate_s=32.0, calibrate_concurrency=16, num_blocks=96, drain_s=90.0, seeds=[0, 1, 2])
     parser.add_argument("--kv-router-kwargs", nargs="*", default=[], metavar="NAME=VALUE", type=lambda t: (t.partition("=")[0], json.loads(t.partition("=")[2])),
                         help="KVCacheAwareRouter options (routing_config.KVRouterSettings), e.g. prefill_weight=0")
-    opts, mix = parser.parse_args(), Mix()
-    results = report.start("bench_routing")
+    opts, mix, results = parser.parse_args(), Mix(), report.start("bench_routing")
     results.update(mix={**asdict(mix), "mean_prompt": mix.mean_prompt, "mean_output": mix.mean_output}, routers={},
                    workload={"duration_s": opts.duration, "seeds": opts.seeds, "load": opts.load, "num_blocks": opts.num_blocks})
     rate = opts.rate

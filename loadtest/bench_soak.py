@@ -74,8 +74,7 @@ def main() -> None:
                     "rounds": "rounds after the warm-up", "concurrency": "requests in flight (local.yaml admits 2 x 64 + 128 queued: some 503s)"},
                    config="configs/local.yaml", replicas=2, round_size=300, rounds=10, concurrency=300, max_tokens=4)
     opts = parser.parse_args()
-    args = server.config_args(opts.config, num_replicas=opts.replicas)
-    results = report.start("bench_soak")
+    args, results = server.config_args(opts.config, num_replicas=opts.replicas), report.start("bench_soak")
     results.update({k: getattr(opts, k) for k in ("replicas", "round_size", "rounds", "concurrency", "max_tokens")}, points=[])
     with server.ray_started(APP), server.serve_http() as base_url, server.deployed(args, APP):
         client, loop, pids, sent = Completions(base_url, Path(args["model"]).name), asyncio.new_event_loop(), replica_pids(), 0

