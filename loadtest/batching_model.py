@@ -21,8 +21,7 @@ class RequestClass:
     output_len: tuple[int, int]  # drawn uniformly in [lo, hi]
 
 
-# Many short chat-like requests, some medium, a few long generations: output lengths within one batch
-# differ by up to ~30x, which is what request-level (static/dynamic) batching pays for.
+# output lengths within one batch differ by up to ~30x: what request-level (static/dynamic) batching pays for
 DEFAULT_CLASSES = (RequestClass("short", 0.6, (16, 96), (8, 48)), RequestClass("medium", 0.3, (48, 256), (64, 128)),
                    RequestClass("long", 0.1, (128, 512), (192, 256)))
 
@@ -169,9 +168,8 @@ def makespan_lower_bound(requests: list[tuple[float, int, int]], fixed: float, p
 
 
 def step_cost_model(results: dict[str, Any]) -> dict[str, Any] | None:
-    """The step-cost fit over every policy's steps, each policy's engine time as predicted, an ideal continuous
-    batcher's (every decode step full), the makespan bound (when the workload lists its requests) and each
-    policy against it at the costs fitted to its own steps. None with fewer than 3 distinct step shapes."""
+    """The step-cost fit over every step, each policy's engine time as predicted, an ideal continuous batcher's, the
+    makespan bound (given the workload's requests) and each policy against it at its own steps' costs; or None."""
     fit = fit_step_cost([st for p in results["policies"].values() for st in p["steps"]])
     if fit is None:
         return None

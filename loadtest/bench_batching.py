@@ -101,10 +101,8 @@ def run_policy(args: argparse.Namespace, policy: str, trace: list[TraceRequest])
 
 
 def calibrate(args: argparse.Namespace, trace: list[TraceRequest]) -> dict[str, Any]:
-    """The machine's capacity on this trace's mix: 2 x `max_num_seqs` of its requests at once under
-    continuous batching, the step-cost model fitted to their steps, and the rate an ideal batcher
-    sustains at that cost (every decode step full). The burst's own requests per second understate it:
-    its drain runs nearly empty steps."""
+    """The machine's capacity on this trace's mix (docs/benchmarks.md): the rate an ideal batcher sustains at the
+    step cost fitted to 2 x `max_num_seqs` of its requests arriving at once under continuous batching."""
     n = min(len(trace), 2 * args.max_num_seqs)
     run = run_policy(args, "continuous", [TraceRequest(r.index, 0.0, r.klass, r.prompt_token_ids, r.output_len) for r in trace[:n]])
     if (fit := fit_step_cost(run["steps"])) is None:

@@ -106,8 +106,7 @@ def replica_deltas(before: dict, after: dict, tag: str) -> tuple[int, dict[str, 
 
 
 def two_replicas(num_blocks: int, **overrides: Any) -> dict[str, Any]:
-    """The app W3 and W4 deploy: 2 LLMServer replicas with small KV caches, one torch thread each, fresh
-    routing stats, the replica probe."""
+    """The app W3 and W4 deploy: 2 replicas, small KV caches, one torch thread each, fresh routing stats, the probe."""
     return {"model": str(server.MODEL), "api_key_env": "", "num_replicas": 2, "num_cpus_per_replica": 0.5, "torch_num_threads": 1,
             "max_ongoing_requests": 32, "max_queued_requests": -1, "request_routing_stats_period_s": 0.2, "health_check_period_s": 2.0,
             "stat_logger_factories": [FACTORY], "engine": {"dtype": "bfloat16", "num_blocks": num_blocks, "max_num_seqs": 16}, **overrides}
@@ -115,10 +114,9 @@ def two_replicas(num_blocks: int, **overrides: Any) -> dict[str, Any]:
 
 def request_router(handle: Any) -> Any:
     """The request router inside this process's handle (Ray-private attributes: None if they move)."""
-    try:
+    with contextlib.suppress(AttributeError):
         return handle._router._asyncio_router.request_router
-    except AttributeError:
-        return None
+    return None
 
 
 async def send(handle: Any, request_id: str, prompt: list[int], max_tokens: int, start: float) -> tuple[float | None, float, int]:
@@ -154,9 +152,8 @@ async def replay(handle: Any, trace: list[TraceRequest], tag: str, drain_s: floa
 
 
 async def calibrate(handle: Any, mix: Mix, seconds: float, concurrency: int, seed: int) -> float:
-    """A saturated closed loop: `concurrency` clients each replay the skewed trace's requests back to back;
-    capacity = requests completed per second from a quarter into the window (ramp-up skipped) to its end.
-    Requests still running at the end are cancelled, not waited for (a drain would understate it)."""
+    """Requests completed per second by `concurrency` clients replaying the skewed trace back to back, from a quarter
+    into the window (ramp-up skipped) to its end; requests still running then are cancelled (a drain would understate it)."""
     trace, loop, completed, ids = make_trace("skewed", mix, 1000.0, 10.0, seed + 99), asyncio.get_running_loop(), 0, iter(range(10**9))
     start = loop.time()
 

@@ -204,8 +204,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workloads", nargs="+", default=["grounded", "open"], choices=("grounded", "open"))
     p.options({"concurrency": "levels", "threads": "OpenMP threads per engine (1: robust on a shared machine)"},
               concurrency=[1, 4, 16, 64], repeats=2, max_tokens=96, threads=1)
-    # float32: outputs are then token-identical with and without speculation; in bfloat16 a verification's
-    # multi-row matmuls round differently from single-row decodes, which flips near-ties (vLLM's too)
+    # float32: token-identical with and without speculation (in bf16 a verification's multi-row matmuls flip near-ties)
     p.add_argument("--dtype", default="float32", choices=("bfloat16", "float32"))
     return p.parse_args(argv)
 

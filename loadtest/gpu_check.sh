@@ -92,7 +92,5 @@ timeout "$(budget 15 60)" "$PY" -m loadtest.decode_sweep --device "$DEVICE" --mo
 { echo "GPU tests: ${tests_line:-no summary} (exit $tests_rc); model $MODEL_DIR; total ${SECONDS} s"
   cat "$OUT_DIR/engine_throughput.md" "$OUT_DIR/decode_sweep.md" "$OUT_DIR/eager/decode_sweep.md" 2>/dev/null || true
 } | tee "$OUT_DIR/gpu_check_summary.md"
-if ((tests_rc != 0 || bench_rc != 0 || sweep_rc != 0)); then
-    die "FAILED (tests exit $tests_rc, W1 exit $bench_rc, sweep exit $sweep_rc); logs in $OUT_DIR"
-fi
+((tests_rc == 0 && bench_rc == 0 && sweep_rc == 0)) || die "FAILED (tests exit $tests_rc, W1 exit $bench_rc, sweep exit $sweep_rc); logs in $OUT_DIR"
 say "done in ${SECONDS}s; outputs in $OUT_DIR"

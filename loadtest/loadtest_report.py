@@ -120,8 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.load_before:
         results["machine"]["load_avg_before"] = [float(x) for x in args.load_before.split()]
     results.update(settings=args.settings, summary=summarize(records))
-    report.write(results, args.out_dir, "loadtest", f"Load test: {args.title}", body(results["summary"], args.settings),
-                 plots(records))
+    report.write(results, args.out_dir, "loadtest", f"Load test: {args.title}", body(results["summary"], args.settings), plots(records))
     s = results["summary"]
     print(f"[loadtest] {s['num_requests']} requests, {s['num_failed']} failed; {s['request_throughput']:.2f} req/s, {s['output_tok_s']:.1f} output "
           f"tok/s; TTFT p50 {num(s['ttft_s']['p50'], 0, 1000)} ms → {args.out_dir}/loadtest.md")

@@ -73,8 +73,7 @@ def _on_test_start(environment, **_kwargs) -> None:
 @events.test_stop.add_listener
 def _on_test_stop(environment, **_kwargs) -> None:
     if getattr(environment.parsed_options, "csv_prefix", None):
-        # Locust's CSV writer rewrites the files every CSV_STATS_INTERVAL_SEC until the process exits: one
-        # more round, so that requests finished during --stop-timeout are in the CSV too
+        # one more round of Locust's CSV writer, so that requests finished during --stop-timeout are in the CSV too
         time.sleep(CSV_STATS_INTERVAL_SEC + 0.5)
     path, worker = environment.parsed_options.records, isinstance(environment.runner, WorkerRunner)
     if not path or (not STATE.records and not worker):

@@ -64,9 +64,8 @@ def ray_started(namespace: str, env: dict[str, str] | None = None) -> Iterator[N
 
 @contextlib.contextmanager
 def probed(namespace: str) -> Iterator[Path]:
-    """A private Ray with Serve's HTTP proxy whose LLMServer replicas, deployed with the replica probe
-    (tests/replica_probe.py: `FACTORY` in `stat_logger_factories`), write their engine facts into the
-    directory yielded; removed at the end."""
+    """A private Ray with Serve's HTTP proxy whose replicas, deployed with tests/replica_probe.py's `FACTORY` in
+    `stat_logger_factories`, write their engine facts into the directory yielded (removed at the end)."""
     from tests.replica_probe import PROBE_DIR_ENV
 
     with (tempfile.TemporaryDirectory(prefix=f"{namespace}-probes-", ignore_cleanup_errors=True) as probe_dir,
