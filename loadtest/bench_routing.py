@@ -267,8 +267,7 @@ def main() -> None:
             if "calibration" in results["routers"][router]:
                 results["workload"]["capacity_req_s"] = results["routers"][router]["calibration"]["capacity_req_s"]
     results["comparison"] = {name: compare_runs(results["routers"], name) for name in TRACES}
-    paths = write_report(results, Path(opts.out_dir))
-    print(paths[1].read_text())
+    print(write_report(results, Path(opts.out_dir))[1].read_text())
 
 
 if __name__ == "__main__":

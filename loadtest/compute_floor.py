@@ -1,10 +1,8 @@
-"""The compute floor of a W1 run: its FLOPs at the machine's measured matmul rate (multiply-adds count 2).
-Every token goes through the projections and attends over its context (4 x context x heads x head_dim per
-layer); the lm_head runs once per sampled token. Prefill tokens are charged at the rate of a
-`prefill_rows`-row matmul (the step budget), decode tokens at a `decode_rows`-row one (the batch), measured
-with the model's projection shapes (on CPU in bf16: oneDNN with packed weights or the engine's C++ kernels,
-whichever is faster), best of `repeats`; attention at the same rate, so no engine can beat the floor.
-`Floor` runs in a worker process and is measured right before every W1 run (the machine drifts 10-15%).
+"""The compute floor of a W1 run (docs/benchmarks.md): its FLOPs (multiply-adds count 2; every token through the
+projections and attending over its context, 4 x context x heads x head_dim per layer; the lm_head once per sampled
+token) at the machine's best measured rate (oneDNN with packed weights or the engine's C++ kernels on CPU in bf16) of
+a `prefill_rows`-row matmul for prefill tokens, a `decode_rows`-row one for decode tokens and attention alike, so no
+engine can beat it. `Floor` runs in a worker process, measured right before every W1 run.
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
 """The engines W1 compares, each behind `run(prompts, output_len) -> RunResult` (every request at once, greedy,
-ignore_eos; the generated ids in prompt order) and `info()`, built in a worker process (loadtest/worker.py:
-`Worker("loadtest.engines:build", {**opts, "engine": name})`). A column more in W1 = one `ENGINES` entry.
-Heavy imports (torch, transformers, serve_app, vllm) happen in the worker, never at import time.
+ignore_eos; the ids in prompt order) and `info()`, built in a worker (`Worker("loadtest.engines:build", {**opts,
+"engine": name})`: heavy imports only there). A column more in W1 = one `ENGINES` entry.
 """
 
 from __future__ import annotations

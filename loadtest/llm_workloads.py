@@ -69,11 +69,9 @@ class LLMRequest:
 
 def choose_api(request: LLMRequest, api: str, rng: random.Random) -> str:
     """`api` (one of APIS) → chat or completions; 'auto': the profile's own choice; 'mixed': either at random."""
-    if api == "auto":
-        return request.default_api
     if api == "mixed":
         return rng.choice(("chat", "completions"))
-    return api
+    return request.default_api if api == "auto" else api
 
 
 class Workload:

@@ -1,6 +1,5 @@
-"""The report of a Locust run of loadtest/locustfile.py (`make loadtest`), from its per-request records
-(`--records`, exact timings; Locust's own CSV and HTML stay beside them): TTFT / TPOT / e2e p50, p90, p99, request
-and token throughput over the run, failures, per request class, the TTFT CDF and throughput over time.
+"""The report of a Locust run of loadtest/locustfile.py (`make loadtest`, docs/loadtest.md) from its per-request
+records (`--records`: exact timings; Locust's own CSV and HTML stay beside them).
 
     .venv/bin/python -m loadtest.loadtest_report --records reports/loadtest/records.jsonl
 """

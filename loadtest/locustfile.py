@@ -55,8 +55,7 @@ def _auth(api_key: str) -> dict[str, str]:
 def _on_test_start(environment, **_kwargs) -> None:
     opts = environment.parsed_options
     STATE.base, STATE.records, STATE.model = api_base(environment.host or "http://127.0.0.1:8000"), [], opts.model
-    worker_index = max(0, getattr(environment.runner, "worker_index", 0) or 0)
-    STATE.process_seed = opts.seed * 1_000_003 + 7919 * worker_index  # distinct per --processes worker
+    STATE.process_seed = opts.seed * 1_000_003 + 7919 * max(0, getattr(environment.runner, "worker_index", 0) or 0)  # per --processes worker
     STATE.arrivals = PoissonArrivals(opts.arrival_rate, STATE.process_seed) if opts.arrival_rate > 0 else None
     if not STATE.model:
         try:  # the first model the server lists
@@ -135,10 +134,8 @@ class OpenAIStreamingUser(FastHttpUser):
                 except Exception as exc:  # noqa: BLE001 - a broken stream is a failed request
                     result.error = f"stream broken: {exc!r}"
             result.end = time.perf_counter() - start
-            if result.error is None and not result.done:
-                result.error = "stream ended without [DONE]"
-            if result.error is None and not result.token_times and not result.empty_reply:
-                result.error = "no token in the stream"
+            if result.error is None and not (result.done and (result.token_times or result.empty_reply)):
+                result.error = "no token in the stream" if result.done else "stream ended without [DONE]"
             response.request_meta.update(response_time=result.end * 1000, response_length=num_bytes)
             if result.error is None:
                 response.success()

@@ -26,9 +26,8 @@ def percentile(values: Iterable[float], q: float) -> float | None:
 
 def spread(values: Iterable[float]) -> dict[str, float] | None:
     """{"median", "min", "max", "n"} of repeated measurements; None for none."""
-    if not (values := list(values)):
-        return None
-    return {"median": percentile(values, 0.5), "min": min(values), "max": max(values), "n": len(values)}
+    values = list(values)
+    return {"median": percentile(values, 0.5), "min": min(values), "max": max(values), "n": len(values)} if values else None
 
 
 def ratio(a: float | None, b: float | None) -> float | None:
