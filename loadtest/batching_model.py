@@ -147,10 +147,8 @@ def fit_step_cost(steps: list[dict]) -> tuple[float, float, float, float] | None
 
 def makespan_lower_bound(requests: list[tuple[float, int, int]], fixed: float, per_decode: float, per_prompt: float,
                          cap: int, budget: int) -> dict[str, Any]:
-    """The shortest makespan (first arrival → last finish) any admission policy could reach if every step
-    cost what the model says; `requests`: (arrival_s, prompt tokens, output tokens). The larger of the work
-    bound and the chain bound (docs/benchmarks.md#w2-the-batching-study-make-bench-batching); a request of P
-    prompt tokens needs ceil(P / `budget`) steps, a decode step holds `cap` sequences."""
+    """The shortest makespan any admission policy could reach on `requests` ((arrival_s, prompt, output tokens)) at these
+    step costs, `cap` sequences per step, `budget` prompt tokens: the larger of the work and the chain bound (docs/benchmarks.md)."""
     reqs = sorted(requests)
     t0, tok = reqs[0][0], [per_decode * (out - 1) + per_prompt * prompt for _, prompt, out in reqs]
     total_tok = sum(tok)

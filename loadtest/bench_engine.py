@@ -34,8 +34,7 @@ def make_prompts(num_requests: int, prompt_len: int, vocab_size: int, min_token_
 
 
 def summarize(results: dict[str, Any]) -> None:
-    """Spreads over repeats, paired ratios against the baseline, shares of the floor measured right before each
-    run and the W1 target, into `results`."""
+    """Spreads over repeats, paired ratios to the baseline, each run's share of its floor and the W1 target, into `results`."""
     w, base = results["workload"], results["settings"]["baseline"]
     per_repeat = {name: {r["repeat"]: r["output_tok_s"] for r in e["runs"]} for name, e in results["engines"].items()}
     for name, e in results["engines"].items():

@@ -46,9 +46,8 @@ def guidellm_cmd(url: str, out_json: Path, opts: argparse.Namespace) -> list[str
 
 
 def summary(guidellm_report: dict[str, Any]) -> dict[str, Any]:
-    """GuideLLM's json report → the figures compared, from its first benchmark: output tok/s as GuideLLM prints it (every
-    output token of the window over its duration); TTFT and ITL percentiles, prompt and output tokens over the
-    completed requests (None when none completed); request counts."""
+    """GuideLLM's json report → its first benchmark's output tok/s (as GuideLLM prints it), request counts, and TTFT, ITL,
+    prompt and output tokens over the completed requests (None when none completed)."""
     bench = guidellm_report["benchmarks"][0]
     metrics, totals = bench["metrics"], bench["metrics"]["request_totals"]
 

@@ -86,8 +86,7 @@ async def replay(handle: Any, tokenizer: Any, spec: pw.WorkloadSpec, tag: str) -
 
 
 def ideal_hits(name: str, rows: list[dict[str, Any]], cache_tokens: int, concurrency: int) -> int:
-    """Every request after the first of its group finds the group's prefix cached (chats: the previous
-    turn); `evict` only as a static partition of the prefixes over the replicas allows."""
+    """The ideal cached tokens (loadtest/prefix_workloads.py) of `rows`, one seed's replay of workload `name`."""
     if name == "chat":
         return sum(r.get("ideal_cached", 0) for r in rows)
     by_start = sorted(rows, key=lambda r: r["start_rank"])

@@ -86,8 +86,7 @@ def summarize_run(results: list[RequestResult], wall_s: float, preemptions: int,
 
 
 def compare_runs(routers: dict[str, Any], name: str) -> dict[str, Any]:
-    """KV-aware ÷ pow2 on trace `name`: TTFT p50/p99, e2e p99 and output tok/s over the pooled requests of every seed
-    (None where either is missing), and the TTFT p99 ratio of each seed's replay."""
+    """KV-aware ÷ pow2 on trace `name`: TTFT p50/p99, e2e p99, output tok/s pooled (None if missing), and each seed's TTFT p99."""
     kv, p2 = (routers.get(router, {}).get("runs", {}).get(name, {}) for router in ("kv_aware", "pow2"))
     keys = {"ttft_p99_ratio": "ttft_p99_s", "ttft_p50_ratio": "ttft_p50_s", "e2e_p99_ratio": "e2e_p99_s", "output_tok_s_ratio": "output_tok_s"}
     per_seed = zip(kv.get("per_seed", []), p2.get("per_seed", []), strict=False)

@@ -48,14 +48,6 @@ async def run_round(client: Completions, first: int, count: int, concurrency: in
     return outcomes
 
 
-def summarize(points: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
-    after = [p for p in points if p["requests"] >= warmup]
-    return {name: {"rss_after_warmup_mib": after[0]["rss"][name] / 2**20, "rss_end_mib": after[-1]["rss"][name] / 2**20,
-                   "growth": after[-1]["rss"][name] / after[0]["rss"][name] - 1,
-                   "bytes_per_request": linear_regression([p["requests"] for p in after], [p["rss"][name] for p in after]).slope
-                   if len(after) > 1 else 0.0} for name in points[0]["rss"]}
-
-
 def body(results: dict[str, Any]) -> list[str]:
     summary = results["summary"]
     return [f"{results['replicas']} LLMServer replica(s); rounds of {results['round_size']} streamed completions ({results['max_tokens']} "
@@ -90,7 +82,11 @@ def main() -> None:
             print(f"[soak] {'warm-up' if round_index == 0 else f'round {round_index}/{opts.rounds}'}: {sent} requests, {dict(outcomes)}, RSS MiB "
                   + ", ".join(f"{n}={v / 2**20:.1f}" for n, v in results["points"][-1]["rss"].items()), flush=True)
         loop.run_until_complete(client.aclose())
-    results["summary"] = summarize(results["points"], opts.round_size)
+    after = [p for p in results["points"] if p["requests"] >= opts.round_size]  # from the end of the warm-up on
+    results["summary"] = {name: {"rss_after_warmup_mib": after[0]["rss"][name] / 2**20, "rss_end_mib": after[-1]["rss"][name] / 2**20,
+                                 "growth": after[-1]["rss"][name] / after[0]["rss"][name] - 1,
+                                 "bytes_per_request": linear_regression([p["requests"] for p in after], [p["rss"][name] for p in after]).slope
+                                 if len(after) > 1 else 0.0} for name in results["points"][0]["rss"]}
     paths = report.write(results, opts.out_dir, "soak",
                          "Soak: LLMServer replica memory under sustained streamed load", body(results), {"soak": report.lines(
                              f"RSS per LLMServer replica (the warm-up ends at {opts.round_size} requests)", "streamed requests sent", "RSS (MiB)",

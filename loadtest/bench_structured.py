@@ -164,7 +164,6 @@ def main(argv: list[str] | None = None) -> int:
            for label, rs in runs.items()}
 
     def paired(a: str, b: str, key: str = "output_tok_s") -> dict[str, float] | None:
-        """a ÷ b per repeat (the two ran within moments of each other), as a spread."""
         return spread(x[key] / y[key] for x, y in zip(runs.get(a, []), runs.get(b, []), strict=False) if x[key] and y[key])
 
     ratios = {"native constrained / unconstrained output tok/s": paired("native constrained", "native unconstrained"),

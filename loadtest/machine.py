@@ -78,9 +78,8 @@ def busy_cpu_s() -> float:
 
 
 def wait_quiet(timeout_s: float = 5.0, window_s: float = 0.1, busy_cores: float = 0.1) -> float:
-    """Wait until less than `busy_cores` of CPU are busy over a `window_s` window, at most `timeout_s`; the seconds
-    waited (none without psutil). Between two timed runs: vLLM-CPU's processes spin about a second after each
-    generate, which would otherwise be charged to whatever runs next."""
+    """Seconds waited (at most `timeout_s`; none without psutil) until under `busy_cores` of CPU are busy over `window_s`:
+    between timed runs, as vLLM-CPU's processes spin about a second after each generate."""
     if psutil is None:
         return 0.0
     start = time.perf_counter()

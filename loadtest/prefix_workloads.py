@@ -101,9 +101,8 @@ def group_ideal_hits(requests: list[tuple[int, list[int]]]) -> dict[int, int]:
 
 def best_static_partition(groups: dict[int, tuple[int, int]], cache_tokens: int, num_replicas: int,
                           reserve_tokens: int = 0) -> tuple[int, dict[int, int]]:
-    """The ideal hits of a static partition when not every prefix fits: `groups` = {group: (hit tokens if its
-    prefix stays cached, prefix tokens)}; greedy, most hit tokens per cached token first, each into the
-    replica with the most room (less `reserve_tokens` for running requests). (total hit tokens, group → replica)."""
+    """(total hit tokens, group → replica) of a greedy static partition of `groups` ({group: (hit tokens if cached, prefix
+    tokens)}): most hits per cached token first, each into the replica with the most room less `reserve_tokens`."""
     room, placed, total = [cache_tokens - reserve_tokens] * num_replicas, {}, 0
     for group, (hits, size) in sorted(groups.items(), key=lambda kv: -kv[1][0] / max(kv[1][1], 1)):
         r = max(range(num_replicas), key=lambda i: room[i])

@@ -85,9 +85,8 @@ def table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
 
 
 def bars(title: str, ylabel: str, groups: dict[str, dict[str, Any]], panels: bool = False) -> Plot:
-    """Grouped bars: a group per key of `groups`, a bar per series in it; a spread ({"median", "min",
-    "max"}) draws its median with the min–max as an error bar; None draws nothing. `panels`: each group
-    on axes of its own, titled with its key (for groups of different units)."""
+    """Grouped bars: a group per key of `groups`, a bar per series in it; a spread draws its median with the min–max as
+    an error bar, None nothing. `panels`: each group on axes of its own, titled with its key (for different units)."""
     def draw(plt):
         series = list(dict.fromkeys(k for g in groups.values() for k in g))
         parts = [{g: v} for g, v in groups.items()] if panels else [groups]

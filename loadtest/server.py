@@ -35,9 +35,8 @@ def config_args(config: str = "configs/local.yaml", **overrides: Any) -> dict[st
 
 @contextlib.contextmanager
 def ray_started(namespace: str, env: dict[str, str] | None = None) -> Iterator[None]:
-    """A local Ray whose processes see `env` (Ray and Serve read theirs when a process starts) and this
-    checkout first (replicas import `loadtest` and `serve_app` from it). On the way out Serve and Ray
-    stop, this process's environment is restored and HAProxy's directory (if `env` made one) removed."""
+    """A local Ray whose processes see `env` (read when a process starts) and this checkout first (replicas import
+    `loadtest` and `serve_app` from it); then Serve and Ray stop, the environment and HAProxy's directory are undone."""
     saved = dict(os.environ)
     os.environ.update({"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", **(env or {})})  # Ray's own traffic on loopback
     import ray  # (after the environment: Serve reads some of it when first imported)
@@ -96,8 +95,7 @@ class App:
 
 @contextlib.contextmanager
 def deployed(args: dict[str, Any], name: str) -> Iterator[App]:
-    """Our app from `args` deployed as `name` at "/", until the block ends (under HAProxy mode: once HAProxy sends
-    requests to its ingress)."""
+    """Our app from `args` deployed as `name` at "/" (under HAProxy: once it routes to the ingress), until the block ends."""
     from ray import serve
 
     from serve_app.serving.app import build_app

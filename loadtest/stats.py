@@ -36,8 +36,7 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 
 def interleaved(names: Sequence[str], repeat: int) -> list[str]:
-    """The order of `names` in repeat `repeat`: rotated by one each repeat, so that a drift in the
-    machine's speed during a run hits every compared system alike."""
+    """`names` rotated by one each repeat: a drift in the machine's speed during a run hits every compared system alike."""
     k = repeat % len(names) if names else 0
     return [*names[k:], *names[:k]]
 
