@@ -116,8 +116,7 @@ def compare(summaries: dict[str, dict[str, Any]], baseline: str = "static") -> d
 
 
 def timeline_segments(steps: list[StepRecord]) -> dict[str, list[tuple[float, float, str]]]:
-    """Per request: (start, end, "prefill" | "decode") spans of the steps it was in; consecutive steps of
-    the same kind merge into one span (which then covers the engine's time between them)."""
+    """Per request: (start, end, "prefill" | "decode") spans of its steps, consecutive steps of a kind merged (gaps too)."""
     spans: dict[str, list[list]] = {}
     last: dict[str, int] = {}
     for i, step in enumerate(steps):

@@ -221,16 +221,14 @@ def main(argv: list[str] | None = None) -> None:
     trace = build_trace(args.rate)
     results["workload"] = {**describe_trace(trace), "rate_per_s": args.rate, "seed": args.seed, "calibration": calibration,
                            "requests": [[r.arrival_s, r.prompt_len, r.output_len] for r in trace]}  # the makespan bound's input
-    results["settings"] = {**vars(args), "torch_threads": torch.get_num_threads()}
-    results["policies"] = {}
+    results.update(settings={**vars(args), "torch_threads": torch.get_num_threads()}, policies={})
     for name in args.policies:
         gc.collect()
         results["policies"][name] = run_policy(args, name, trace)
         s = results["policies"][name]["summary"]
         log(f"{name}: {s['output_tok_s']:.1f} output tok/s, TTFT p50 {num(s['ttft_p50_s'])} s, makespan {s['makespan_s']:.1f} s"
             + ("" if s["complete"] else " (INCOMPLETE)"))
-    results["comparison"] = compare({k: v["summary"] for k, v in results["policies"].items()})
-    results["step_cost_model"] = step_cost_model(results)
+    results.update(comparison=compare({k: v["summary"] for k, v in results["policies"].items()}), step_cost_model=step_cost_model(results))
     committed = {**results, "policies": {n: {k: v for k, v in p.items() if k != "steps"} for n, p in results["policies"].items()}}
     paths = report.write(committed, args.out_dir, "batching", "W2 batching study: static vs dynamic vs continuous on one trace",
                          body(results), plots(results))

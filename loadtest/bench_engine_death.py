@@ -22,13 +22,6 @@ from tests.serving.faults import FAULT_FILE_ENV
 APP = "bench-engine-death"
 
 
-async def client_loop(client: Completions, index: int, stop_at: float, records: list[Stream], max_tokens: int) -> None:
-    while time.perf_counter() < stop_at:
-        records.append(await client.stream(f"Story number {index}: once upon a time", max_tokens))
-        if records[-1].error is not None:
-            await asyncio.sleep(0.05)
-
-
 def replaced(victim: str) -> bool:
     """Serve runs 2 replicas again, the victim not among them."""
     from ray import serve
@@ -39,8 +32,14 @@ def replaced(victim: str) -> bool:
 
 async def drive(client: Completions, opts: argparse.Namespace, fault_file: Path, records: list[Stream]) -> tuple[int, float, float | None]:
     """The load, the death after the warm-up and the wait for the replacement; (the victim's requests in flight, death, replaced)."""
+    async def client_loop(index: int) -> None:  # completions back to back
+        while time.perf_counter() < stop_at:
+            records.append(await client.stream(f"Story number {index}: once upon a time", opts.max_tokens))
+            if records[-1].error is not None:
+                await asyncio.sleep(0.05)
+
     stop_at = time.perf_counter() + opts.warmup_s + opts.after_s
-    tasks = [asyncio.create_task(client_loop(client, i, stop_at, records, opts.max_tokens)) for i in range(opts.streams)]
+    tasks = [asyncio.create_task(client_loop(i)) for i in range(opts.streams)]
     await asyncio.sleep(opts.warmup_s)
     placed = {rid: s["num_running"] + s["num_waiting"] for rid, s in (await asyncio.to_thread(server.routing_stats, APP)).items()}
     victim, death, replaced_at = max(sorted(placed), key=placed.__getitem__), time.perf_counter(), None

@@ -62,8 +62,7 @@ def summary(guidellm_report: dict[str, Any]) -> dict[str, Any]:
 
 
 def requests_cell(s: dict[str, Any]) -> str:
-    r = s["requests"]
-    return f"{r['successful']} ({r['incomplete']} cut off, {r['errored']} errored)"
+    return "{successful} ({incomplete} cut off, {errored} errored)".format(**s["requests"])
 
 
 def run_guidellm(url: str, out_json: Path, opts: argparse.Namespace, log: Path | None = None) -> dict[str, Any]:
@@ -129,9 +128,8 @@ def compare(opts: argparse.Namespace) -> None:
                "runs": []}
     if opts.profile == "haproxy":  # read once, when Ray Serve is first imported in this process
         os.environ[HAPROXY] = "1"
-    servers = ["ours", "vllm"]
     for repeat in range(opts.repeats):
-        for name in interleaved(servers, repeat):
+        for name in interleaved(["ours", "vllm"], repeat):
             begin = time.monotonic()
             with started(name, opts) as url:
                 startup_s = time.monotonic() - begin

@@ -19,6 +19,7 @@ from loadtest import report, server
 from loadtest.bench_routing import request_router, two_replicas
 from loadtest.report import num, table
 from loadtest.stats import percentile, ratio
+from serve_app.input_processor import InputProcessor
 from serve_app.types import GenerateRequest, SamplingParams
 from tests.replica_probe import read_probes
 
@@ -190,8 +191,6 @@ def main() -> None:
     parser.options({"num_blocks": "KV blocks per replica (16 tokens each)", "scale": "multiplies request counts",
                     "prefix_words": "words per shared prefix (~1.55 tokens each)"}, num_blocks=512, scale=1.0, prefix_words=360, seeds=[0, 1])
     opts = parser.parse_args()
-    from serve_app.input_processor import InputProcessor
-
     tokenizer = InputProcessor(str(server.MODEL), 49152, 8192)  # as the ingress does
     results = report.start("bench_prefix")
     results.update(routers={}, workload={"num_blocks": opts.num_blocks, "seeds": opts.seeds, "scale": opts.scale, "names": list(WORKLOADS),

@@ -258,11 +258,10 @@ def main() -> None:
     opts, mix, results = parser.parse_args(), Mix(), report.start("bench_routing")
     results.update(mix={**asdict(mix), "mean_prompt": mix.mean_prompt, "mean_output": mix.mean_output}, routers={},
                    workload={"duration_s": opts.duration, "seeds": opts.seeds, "load": opts.load, "num_blocks": opts.num_blocks})
-    rate = opts.rate
     with server.probed("bench-routing") as probe_dir, contextlib.closing(asyncio.new_event_loop()) as loop:
-        for router in opts.routers:
-            results["routers"][router], rate = run_router(router, opts, mix, probe_dir, rate, loop)
-            results["workload"]["rate_req_s"] = rate
+        for router in opts.routers:  # the first calibrates the rate (unless --rate gives it) for the others
+            results["routers"][router], opts.rate = run_router(router, opts, mix, probe_dir, opts.rate, loop)
+            results["workload"]["rate_req_s"] = opts.rate
             if "calibration" in results["routers"][router]:
                 results["workload"]["capacity_req_s"] = results["routers"][router]["calibration"]["capacity_req_s"]
     results["comparison"] = {name: compare_runs(results["routers"], name) for name in TRACES}

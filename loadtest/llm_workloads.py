@@ -114,11 +114,9 @@ class Workload:
 
     def record_reply(self, text: str) -> None:
         """Append the server's reply to the conversation (shared-prefix); a failed turn ends the conversation."""
-        if self.profile != "shared-prefix":
-            return
-        if text:
+        if self.profile == "shared-prefix" and text:
             self.messages.append({"role": "assistant", "content": text})
-        else:
+        elif self.profile == "shared-prefix":
             self.turn = self.turns
 
 

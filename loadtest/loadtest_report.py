@@ -115,10 +115,9 @@ def main(argv: list[str] | None = None) -> int:
               title="Locust", command="", settings="", load_before="")
     args = p.parse_args(argv)
     records, results = load_records(args.records), report.start("loadtest_report")
-    results["command"] = args.command or results["command"]
     if args.load_before:
         results["machine"]["load_avg_before"] = [float(x) for x in args.load_before.split()]
-    results.update(settings=args.settings, summary=summarize(records))
+    results.update(command=args.command or results["command"], settings=args.settings, summary=summarize(records))
     report.write(results, args.out_dir, "loadtest", f"Load test: {args.title}", body(results["summary"], args.settings), plots(records))
     s = results["summary"]
     print(f"[loadtest] {s['num_requests']} requests, {s['num_failed']} failed; {s['request_throughput']:.2f} req/s, {s['output_tok_s']:.1f} output "

@@ -70,9 +70,8 @@ def cell(s: dict[str, float] | None, scale: float = 1.0, digits: int = 1) -> str
     """A spread as `median (min–max)`; the value alone for one repeat; – for none."""
     if not s:
         return "–"
-    if s["n"] == 1:
-        return f"{s['median'] * scale:,.{digits}f}"
-    return f"{s['median'] * scale:,.{digits}f} ({s['min'] * scale:,.{digits}f}–{s['max'] * scale:,.{digits}f})"
+    spread = "" if s["n"] == 1 else f" ({s['min'] * scale:,.{digits}f}–{s['max'] * scale:,.{digits}f})"
+    return f"{s['median'] * scale:,.{digits}f}{spread}"
 
 
 def num(value: float | None, digits: int = 2, scale: float = 1.0) -> str:

@@ -47,8 +47,7 @@ class Worker:
     def __init__(self, target: str, opts: dict[str, Any], timeout_s: float = 3600.0) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        # not a daemon: vLLM starts processes of its own
-        self.proc = ctx.Process(target=_serve, args=(target, opts, child), name=target.rpartition(":")[2])
+        self.proc = ctx.Process(target=_serve, args=(target, opts, child), name=target.rpartition(":")[2])  # not a daemon: vLLM starts processes
         self.proc.start()
         child.close()
         self.timeout_s, self.peak_rss, self._halt, started = timeout_s, 0, threading.Event(), time.perf_counter()
