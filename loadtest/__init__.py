@@ -1,1 +1,0 @@
-"""Benchmarks and load tests; run each as `python -m loadtest.<name>` from the repository root."""

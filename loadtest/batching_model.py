@@ -1,8 +1,6 @@
-"""W2 batching study, the pure part (no torch): the arrival trace, each policy's summary, and the
+"""W2 batching study, the pure part (no torch): the arrival trace (a seeded Poisson process of requests in three
+classes, random token ids, exact output lengths: every policy does identical work), each policy's summary, and the
 step-cost model with the shortest makespan any admission policy could reach on the trace.
-
-The trace is a seeded Poisson process of requests in three classes with mixed prompt and output
-lengths (random token ids, exact output lengths: ignore_eos), so every policy does identical work.
 """
 
 from __future__ import annotations
@@ -23,8 +21,7 @@ class RequestClass:
     output_len: tuple[int, int]  # drawn uniformly in [lo, hi]
 
 
-# Many short chat-like requests, some medium, a few long generations: output lengths within one batch
-# differ by up to ~30x, which is what request-level (static/dynamic) batching pays for.
+# output lengths within one batch differ by up to ~30x: what request-level (static/dynamic) batching pays for
 DEFAULT_CLASSES = (RequestClass("short", 0.6, (16, 96), (8, 48)), RequestClass("medium", 0.3, (48, 256), (64, 128)),
                    RequestClass("long", 0.1, (128, 512), (192, 256)))
 
@@ -42,16 +39,15 @@ class TraceRequest:
         return len(self.prompt_token_ids)
 
 
-def make_trace(num_requests: int, rate_per_s: float, seed: int = 0, vocab_size: int = 49152, min_token_id: int = 100,
-               classes: tuple[RequestClass, ...] = DEFAULT_CLASSES) -> list[TraceRequest]:
-    """A Poisson arrival trace; the same arguments always give the same trace."""
+def make_trace(num_requests: int, rate_per_s: float, seed: int = 0, vocab_size: int = 49152) -> list[TraceRequest]:
+    """A Poisson arrival trace of DEFAULT_CLASSES, token ids from 100 up; the same arguments always give the same trace."""
     if num_requests < 1 or not rate_per_s > 0:
         raise ValueError(f"num_requests >= 1 and rate_per_s > 0, got {num_requests}, {rate_per_s}")
     rng, t, trace = random.Random(seed), 0.0, []
     for i in range(num_requests):
-        klass = rng.choices(classes, [c.weight for c in classes])[0]
+        klass = rng.choices(DEFAULT_CLASSES, [c.weight for c in DEFAULT_CLASSES])[0]
         prompt_len = int(round(math.exp(rng.uniform(math.log(klass.prompt_len[0]), math.log(klass.prompt_len[1])))))
-        prompt = tuple(rng.randrange(min_token_id, vocab_size) for _ in range(prompt_len))
+        prompt = tuple(rng.randrange(100, vocab_size) for _ in range(prompt_len))
         trace.append(TraceRequest(i, t, klass.name, prompt, rng.randint(*klass.output_len)))
         t += rng.expovariate(rate_per_s)
     return trace
@@ -120,8 +116,7 @@ def compare(summaries: dict[str, dict[str, Any]], baseline: str = "static") -> d
 
 
 def timeline_segments(steps: list[StepRecord]) -> dict[str, list[tuple[float, float, str]]]:
-    """Per request: (start, end, "prefill" | "decode") spans of the steps it was in; consecutive steps of
-    the same kind merge into one span (which then covers the engine's time between them)."""
+    """Per request: (start, end, "prefill" | "decode") spans of its steps, consecutive steps of a kind merged (gaps too)."""
     spans: dict[str, list[list]] = {}
     last: dict[str, int] = {}
     for i, step in enumerate(steps):
@@ -135,7 +130,6 @@ def timeline_segments(steps: list[StepRecord]) -> dict[str, list[tuple[float, fl
     return {rid: [tuple(s) for s in segs] for rid, segs in spans.items()}
 
 
-# ---- the step-cost model -------------------------------------------------------------------------
 def fit_step_cost(steps: list[dict]) -> tuple[float, float, float, float] | None:
     """Least squares: step seconds = fixed + per_decode x decode tokens + per_prompt x prompt tokens;
     (fixed, per_decode, per_prompt, R²), or None with fewer than 3 distinct step shapes."""
@@ -152,20 +146,12 @@ def fit_step_cost(steps: list[dict]) -> tuple[float, float, float, float] | None
 
 def makespan_lower_bound(requests: list[tuple[float, int, int]], fixed: float, per_decode: float, per_prompt: float,
                          cap: int, budget: int) -> dict[str, Any]:
-    """The shortest makespan (first arrival → last finish) any admission policy could reach if every step
-    cost what the model says; `requests`: (arrival_s, prompt tokens, output tokens). The larger of:
-    - work: nothing arriving at t runs before t, and that work takes at least its decode tokens in full
-      steps of `cap` sequences plus its per-token costs: for every arrival t, t + that engine time of the
-      requests arriving from t on;
-    - chains: a request of P prompt and L output tokens needs ceil(P / budget) + L - 1 steps one after the
-      other from its arrival, each paying the fixed cost, and all the trace's per-token work must run too,
-      except what fits before that arrival (no more than the time there is, nor the work arrived by then)."""
+    """The shortest makespan any admission policy could reach on `requests` ((arrival_s, prompt, output tokens)) at these
+    step costs, `cap` sequences per step, `budget` prompt tokens: the larger of the work and the chain bound (docs/benchmarks.md)."""
     reqs = sorted(requests)
-    t0 = reqs[0][0]
-    tok = [per_decode * (out - 1) + per_prompt * prompt for _, prompt, out in reqs]
+    t0, tok = reqs[0][0], [per_decode * (out - 1) + per_prompt * prompt for _, prompt, out in reqs]
     total_tok = sum(tok)
-    work_s = chain_s = before_tok = suffix_tok = 0.0
-    suffix_decodes = 0
+    work_s = chain_s = before_tok = suffix_tok = suffix_decodes = 0.0
     for i in range(len(reqs) - 1, -1, -1):
         suffix_decodes += reqs[i][2] - 1
         suffix_tok += tok[i]
@@ -179,11 +165,8 @@ def makespan_lower_bound(requests: list[tuple[float, int, int]], fixed: float, p
 
 
 def step_cost_model(results: dict[str, Any]) -> dict[str, Any] | None:
-    """The step-cost fit over every policy's steps; each policy's engine time as predicted; an ideal
-    continuous batcher's (every decode step full); the makespan bound (when the workload lists its
-    requests) and each policy against the bound at the costs fitted to its own steps (the machine's
-    speed drifts between the policies' runs); static's makespan over the bound bounds the throughput
-    ratio any policy can reach. None with fewer than 3 distinct step shapes."""
+    """The step-cost fit over every step, each policy's engine time as predicted, an ideal continuous batcher's, the
+    makespan bound (given the workload's requests) and each policy against it at its own steps' costs; or None."""
     fit = fit_step_cost([st for p in results["policies"].values() for st in p["steps"]])
     if fit is None:
         return None

@@ -1,7 +1,6 @@
-"""W2 batching study (docs/benchmarks.md): one seeded Poisson trace (loadtest/batching_model.py) replayed against
-the same in-process AsyncLLMEngine under `static`, `dynamic` and `continuous` batching (only admission
-differs), arriving at `--load` (1.5) x the capacity calibrated first (the step-cost model fitted to a burst);
-then the step-cost model over every step and the shortest makespan any admission policy could reach.
+"""W2 batching study (docs/benchmarks.md): one seeded Poisson trace (loadtest/batching_model.py) at `--load` × the
+capacity calibrated first, replayed against one in-process AsyncLLMEngine under `static`, `dynamic` and `continuous`
+batching; then the step-cost model over every step and the shortest makespan any admission policy could reach.
 
     .venv/bin/python -m loadtest.bench_batching [--quick]   # reports/batching.* (--quick: 16 requests → build/bench-batching-quick/)
 """
@@ -36,8 +35,6 @@ from tests.recording_logger import RecordingLogger
 POLICIES = ("static", "dynamic", "continuous")
 TARGET_THROUGHPUT_RATIO, TARGET_TTFT_RATIO = 2.5, 0.5  # continuous vs static
 COLORS = {"queued": "#cfcfcf", "prefill": "tab:orange", "decode": "tab:blue"}
-
-
 log = report.logger("bench-batching")
 
 
@@ -84,8 +81,7 @@ def run_policy(args: argparse.Namespace, policy: str, trace: list[TraceRequest])
     from serve_app.engine.async_engine import AsyncLLMEngine
 
     recorder, kwargs = RecordingLogger(), engine_kwargs(args, policy)
-    engine = AsyncLLMEngine.from_kwargs(args.model, stat_loggers=[recorder], **kwargs)
-    loop = asyncio.new_event_loop()
+    engine, loop = AsyncLLMEngine.from_kwargs(args.model, stat_loggers=[recorder], **kwargs), asyncio.new_event_loop()
     try:  # warm-up (kernels, allocator), not measured
         loop.run_until_complete(_replay(engine, [TraceRequest(i, 0.0, "warm-up", tuple(range(1000 + i, 1096 + i)), 4) for i in range(2)],
                                         f"warmup-{policy}", 60))
@@ -105,10 +101,8 @@ def run_policy(args: argparse.Namespace, policy: str, trace: list[TraceRequest])
 
 
 def calibrate(args: argparse.Namespace, trace: list[TraceRequest]) -> dict[str, Any]:
-    """The machine's capacity on this trace's mix: 2 x `max_num_seqs` of its requests at once under
-    continuous batching, the step-cost model fitted to their steps, and the rate an ideal batcher
-    sustains at that cost (every decode step full). The burst's own requests per second understate it:
-    its drain runs nearly empty steps."""
+    """The machine's capacity on this trace's mix (docs/benchmarks.md): the rate an ideal batcher sustains at the
+    step cost fitted to 2 x `max_num_seqs` of its requests arriving at once under continuous batching."""
     n = min(len(trace), 2 * args.max_num_seqs)
     run = run_policy(args, "continuous", [TraceRequest(r.index, 0.0, r.klass, r.prompt_token_ids, r.output_len) for r in trace[:n]])
     if (fit := fit_step_cost(run["steps"])) is None:
@@ -166,32 +160,28 @@ def body(results: dict[str, Any]) -> list[str]:
     return lines + ["Timelines: a row per request, by arrival; grey queued, orange prefill, blue decode.", ""]
 
 
-def _timeline(ax, policy: dict[str, Any], name: str, x_max: float) -> None:
-    from matplotlib.patches import Patch
-
-    steps = [StepRecord(**{**s, "batch": tuple(tuple(b) for b in s["batch"])}) for s in policy["steps"]]
-    segments, s = timeline_segments(steps), policy["summary"]
-    for r in policy["requests"]:
-        queued_until = r["first_scheduled_s"] if r["first_scheduled_s"] is not None else (r["finished_s"] or x_max)
-        ax.broken_barh([(r["arrival_s"], max(queued_until - r["arrival_s"], 1e-3))], (r["index"] - 0.4, 0.8), color=COLORS["queued"])
-        for kind in ("prefill", "decode"):
-            spans = [(a, b - a) for a, b, k in segments.get(r["request_id"], ()) if k == kind]
-            ax.broken_barh(spans, (r["index"] - 0.4, 0.8), color=COLORS[kind])
-    ax.set(xlim=(0, x_max), ylim=(len(policy["requests"]) - 0.5, -0.5), ylabel="request (by arrival)")
-    ax.set_title(f"{name}: {s['output_tok_s']:.1f} output tok/s, TTFT p50 {num(s['ttft_p50_s'], 1)} s, mean batch "
-                 f"{s['mean_batch_size']:.1f}, makespan {s['makespan_s']:.0f} s", fontsize=10, loc="left")
-    ax.legend(handles=[Patch(color=c, label=k) for k, c in COLORS.items()], loc="upper right", fontsize=7, ncol=3)
-
-
 def plots(results: dict[str, Any]) -> dict[str, report.Plot]:
     policies = results["policies"]
     x_max = max(p["summary"]["makespan_s"] for p in policies.values()) * 1.02 + 0.5
 
-    def timelines(plt):
+    def timelines(plt):  # a row per request: queued, then its prefill and decode steps
+        from matplotlib.patches import Patch
+
         height = max(2.5, 0.09 * results["workload"]["num_requests"] + 1)
         fig, axes = plt.subplots(len(policies), 1, figsize=(11, height * len(policies)), sharex=True, squeeze=False)
-        for ax, name in zip(axes[:, 0], policies, strict=True):
-            _timeline(ax, policies[name], name, x_max)
+        for ax, (name, policy) in zip(axes[:, 0], policies.items(), strict=True):
+            segments = timeline_segments([StepRecord(**{**s, "batch": tuple(tuple(b) for b in s["batch"])}) for s in policy["steps"]])
+            for r in policy["requests"]:
+                queued_until = r["first_scheduled_s"] if r["first_scheduled_s"] is not None else (r["finished_s"] or x_max)
+                ax.broken_barh([(r["arrival_s"], max(queued_until - r["arrival_s"], 1e-3))], (r["index"] - 0.4, 0.8), color=COLORS["queued"])
+                for kind in ("prefill", "decode"):
+                    spans = [(a, b - a) for a, b, k in segments.get(r["request_id"], ()) if k == kind]
+                    ax.broken_barh(spans, (r["index"] - 0.4, 0.8), color=COLORS[kind])
+            s = policy["summary"]
+            ax.set(xlim=(0, x_max), ylim=(len(policy["requests"]) - 0.5, -0.5), ylabel="request (by arrival)")
+            ax.set_title(f"{name}: {s['output_tok_s']:.1f} output tok/s, TTFT p50 {num(s['ttft_p50_s'], 1)} s, mean batch "
+                         f"{s['mean_batch_size']:.1f}, makespan {s['makespan_s']:.0f} s", fontsize=10, loc="left")
+            ax.legend(handles=[Patch(color=c, label=k) for k, c in COLORS.items()], loc="upper right", fontsize=7, ncol=3)
         axes[-1, 0].set_xlabel("time since the first arrival (s)")
         return fig
 
@@ -203,7 +193,6 @@ def plots(results: dict[str, Any]) -> dict[str, report.Plot]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = report.Parser(__doc__, "build/bench-batching-quick", "a quarter of the tokens", model=True, num_requests=16)
     p.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES, help="run in order")
-    p.add_argument("--rate", type=float, help="Poisson arrivals per second (default: --load x the capacity calibrated first)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.options({"load": "arrival rate as a multiple of the calibrated capacity", "max_num_seqs": "the batch cap, every policy",
                "static_timeout_s": "static: the longest wait for a full batch"}, num_requests=96, load=1.5, max_num_seqs=32,
@@ -216,8 +205,7 @@ def main(argv: list[str] | None = None) -> None:
     import torch
     from transformers import AutoConfig
 
-    results = report.start("bench_batching")
-    vocab = AutoConfig.from_pretrained(args.model).vocab_size
+    results, vocab = report.start("bench_batching"), AutoConfig.from_pretrained(args.model).vocab_size
 
     def build_trace(rate: float) -> list[TraceRequest]:
         trace = make_trace(args.num_requests, rate, args.seed, vocab_size=vocab)
@@ -226,25 +214,21 @@ def main(argv: list[str] | None = None) -> None:
                      for r in trace]
         return trace
 
-    calibration = None
-    if args.rate is None:
-        calibration = calibrate(args, build_trace(1.0))
-        args.rate = calibration["rate_req_s"]
-        log(f"capacity {calibration['capacity_req_s']:.2f} req/s at full steps (the burst: {calibration['burst_req_s']:.2f}) → "
-            f"arrivals at {args.rate:.2f} req/s")
+    calibration = calibrate(args, build_trace(1.0))
+    args.rate = calibration["rate_req_s"]
+    log(f"capacity {calibration['capacity_req_s']:.2f} req/s at full steps (the burst: {calibration['burst_req_s']:.2f}) → "
+        f"arrivals at {args.rate:.2f} req/s")
     trace = build_trace(args.rate)
     results["workload"] = {**describe_trace(trace), "rate_per_s": args.rate, "seed": args.seed, "calibration": calibration,
                            "requests": [[r.arrival_s, r.prompt_len, r.output_len] for r in trace]}  # the makespan bound's input
-    results["settings"] = {**vars(args), "torch_threads": torch.get_num_threads()}
-    results["policies"] = {}
+    results.update(settings={**vars(args), "torch_threads": torch.get_num_threads()}, policies={})
     for name in args.policies:
         gc.collect()
         results["policies"][name] = run_policy(args, name, trace)
         s = results["policies"][name]["summary"]
         log(f"{name}: {s['output_tok_s']:.1f} output tok/s, TTFT p50 {num(s['ttft_p50_s'])} s, makespan {s['makespan_s']:.1f} s"
             + ("" if s["complete"] else " (INCOMPLETE)"))
-    results["comparison"] = compare({k: v["summary"] for k, v in results["policies"].items()})
-    results["step_cost_model"] = step_cost_model(results)
+    results.update(comparison=compare({k: v["summary"] for k, v in results["policies"].items()}), step_cost_model=step_cost_model(results))
     committed = {**results, "policies": {n: {k: v for k, v in p.items() if k != "steps"} for n, p in results["policies"].items()}}
     paths = report.write(committed, args.out_dir, "batching", "W2 batching study: static vs dynamic vs continuous on one trace",
                          body(results), plots(results))

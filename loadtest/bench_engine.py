@@ -34,8 +34,7 @@ def make_prompts(num_requests: int, prompt_len: int, vocab_size: int, min_token_
 
 
 def summarize(results: dict[str, Any]) -> None:
-    """Spreads over repeats, paired ratios against the baseline, shares of the floor measured right before each
-    run and the W1 target, into `results`."""
+    """Spreads over repeats, paired ratios to the baseline, each run's share of its floor and the W1 target, into `results`."""
     w, base = results["workload"], results["settings"]["baseline"]
     per_repeat = {name: {r["repeat"]: r["output_tok_s"] for r in e["runs"]} for name, e in results["engines"].items()}
     for name, e in results["engines"].items():
@@ -44,11 +43,9 @@ def summarize(results: dict[str, Any]) -> None:
         e["floor_share"] = spread(r["output_tok_s"] / r["floor_output_tok_s"] for r in e["runs"] if r.get("floor_output_tok_s"))
         if name != base and e["runs"]:
             e["ratio_vs_baseline"] = spread(paired_ratios(per_repeat, name, base))
-        short = [r["repeat"] for r in e["runs"] if r["output_tokens"] != w["num_requests"] * w["output_len"]]
-        if short:
+        if short := [r["repeat"] for r in e["runs"] if r["output_tokens"] != w["num_requests"] * w["output_len"]]:
             e["warning"] = f"repeats {short}: fewer output tokens than {w['num_requests'] * w['output_len']}"
-    floors = [f for f in results["compute_floors"] if "error" not in f]
-    if floors:
+    if floors := [f for f in results["compute_floors"] if "error" not in f]:
         results["compute_floor"] = {**{k: floors[0][k] for k in ("prefill_flops", "decode_flops", "prefill_rows", "decode_rows")},
                                     **{k: spread(f[k] for f in floors) for k in ("floor_output_tok_s", "decode_tflop_s", "prefill_tflop_s")}}
     ratio = results["engines"].get("native", {}).get("ratio_vs_baseline")
@@ -64,8 +61,7 @@ def body(results: dict[str, Any]) -> list[str]:
              f"tokens, greedy, ignore_eos, {w['dtype']} on {w['device']}, all at once; model `{w['model']}`. Each engine in its own "
              f"process, warmed up once, {s['repeats']} interleaved repeats; cells: median (min–max) over repeats; the ratio is paired "
              f"per repeat; total tok/s counts prompt + output tokens; peak RSS: the worker's process tree.", ""]
-    if "target" in results:
-        t = results["target"]
+    if t := results.get("target"):
         lines += [f"Target ({t['goal']}): {t['measured_median_ratio']:.2f}× → {'met' if t['met'] else '**not met**'}.", ""]
     rows, notes = [], []
     for name, e in results["engines"].items():
@@ -79,11 +75,9 @@ def body(results: dict[str, Any]) -> list[str]:
         notes += [f"- **{name}**: {e[k]}" for k in ("skipped", "warning") if k in e]
         if "error" in e:
             notes.append(f"- **{name}** failed: `{e['error'].splitlines()[0]}` (traceback in the JSON)")
-        extras = [r["extra"] for r in e["runs"] if r["extra"]]
-        if extras:
+        if extras := [r["extra"] for r in e["runs"] if r["extra"]]:
             notes.append(f"- **{name}** per run: " + "; ".join(f"{k} {[x[k] for x in extras]}" for k in extras[0]))
-    f = results.get("compute_floor")
-    if f:
+    if f := results.get("compute_floor"):
         shares = ", ".join(f"{name} {cell(e['floor_share'], 100, 0)}%" for name, e in results["engines"].items() if e.get("floor_share"))
         notes.append(f"- **compute floor** (loadtest/compute_floor.py, right before each of the {f['floor_output_tok_s']['n']} runs): "
                      f"{cell(f['floor_output_tok_s'], digits=0)} output tok/s = {f['prefill_flops'] / 1e9:.0f} GFLOP prefill at "
@@ -169,8 +163,7 @@ def main(argv: list[str] | None = None) -> int:
                     log(f"repeat {rep + 1} {name}: FAILED: {exc}")
                     retire(name)
                     continue
-                wall = time.perf_counter() - wall
-                other = machine.busy_cpu_s() - busy - (machine.own_cpu_s() - ours)
+                wall, other = time.perf_counter() - wall, machine.busy_cpu_s() - busy - (machine.own_cpu_s() - ours)
                 out = sum(len(t) for t in res.token_ids)
                 e["runs"].append({"repeat": rep, "elapsed_s": res.elapsed_s, "output_tokens": out, "output_tok_s": out / res.elapsed_s,
                                   "total_tok_s": (out + args.num_requests * args.prompt_len) / res.elapsed_s, "extra": res.extra,

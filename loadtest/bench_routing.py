@@ -1,6 +1,5 @@
-"""W3 routing (docs/benchmarks.md): KV-aware vs power-of-two vs round-robin. Per router, 2 LLMServer replicas
-(small KV caches) in a private Ray; the same seeded open-loop traces through the LLMServer handle — **skewed**
-(~12% 384 → 128-token requests among 48 → 16) and **uniform** (the mix's mean size) — at `--load` x the
+"""W3 routing (docs/benchmarks.md): KV-aware vs power-of-two vs round-robin, each on 2 LLMServer replicas (small KV
+caches) in a private Ray, replaying the same seeded skewed and uniform traces through the handle at `--load` × the
 capacity a closed loop measured first; one replay per seed, pooled, each seed's ratio as the spread.
 
     .venv/bin/python -m loadtest.bench_routing [--quick]   # reports/routing.* (--quick: one seed → build/bench-routing-quick/)
@@ -48,10 +47,7 @@ class Mix:
 
 
 def make_trace(name: str, mix: Mix, rate: float, duration_s: float, seed: int, vocab: int = 49152) -> list[TraceRequest]:
-    """Poisson arrivals at `rate`/s for `duration_s`, random prompts, `klass` the request's kind ("long", "short" or "uniform");
-    `name`: "skewed" or "uniform"."""
-    if name not in TRACES:
-        raise ValueError(f"trace: one of {TRACES}, got {name!r}")
+    """Trace `name` (TRACES): Poisson arrivals at `rate`/s for `duration_s`, random prompts, `klass` "long", "short" or "uniform"."""
     rng, out = random.Random(seed), []
     t = rng.expovariate(rate)
     while t < duration_s:
@@ -90,8 +86,7 @@ def summarize_run(results: list[RequestResult], wall_s: float, preemptions: int,
 
 
 def compare_runs(routers: dict[str, Any], name: str) -> dict[str, Any]:
-    """KV-aware ÷ pow2 on trace `name`: TTFT p50/p99, e2e p99 and output tok/s over the pooled requests of every seed
-    (None where either is missing), and the TTFT p99 ratio of each seed's replay."""
+    """KV-aware ÷ pow2 on trace `name`: TTFT p50/p99, e2e p99, output tok/s pooled (None if missing), and each seed's TTFT p99."""
     kv, p2 = (routers.get(router, {}).get("runs", {}).get(name, {}) for router in ("kv_aware", "pow2"))
     keys = {"ttft_p99_ratio": "ttft_p99_s", "ttft_p50_ratio": "ttft_p50_s", "e2e_p99_ratio": "e2e_p99_s", "output_tok_s_ratio": "output_tok_s"}
     per_seed = zip(kv.get("per_seed", []), p2.get("per_seed", []), strict=False)
@@ -110,8 +105,7 @@ def replica_deltas(before: dict, after: dict, tag: str) -> tuple[int, dict[str, 
 
 
 def two_replicas(num_blocks: int, **overrides: Any) -> dict[str, Any]:
-    """The app W3 and W4 deploy: 2 LLMServer replicas with small KV caches, one torch thread each, fresh
-    routing stats, the replica probe."""
+    """The app W3 and W4 deploy: 2 replicas, small KV caches, one torch thread each, fresh routing stats, the probe."""
     return {"model": str(server.MODEL), "api_key_env": "", "num_replicas": 2, "num_cpus_per_replica": 0.5, "torch_num_threads": 1,
             "max_ongoing_requests": 32, "max_queued_requests": -1, "request_routing_stats_period_s": 0.2, "health_check_period_s": 2.0,
             "stat_logger_factories": [FACTORY], "engine": {"dtype": "bfloat16", "num_blocks": num_blocks, "max_num_seqs": 16}, **overrides}
@@ -119,13 +113,11 @@ def two_replicas(num_blocks: int, **overrides: Any) -> dict[str, Any]:
 
 def request_router(handle: Any) -> Any:
     """The request router inside this process's handle (Ray-private attributes: None if they move)."""
-    try:
+    with contextlib.suppress(AttributeError):
         return handle._router._asyncio_router.request_router
-    except AttributeError:
-        return None
+    return None
 
 
-# ---- load ----------------------------------------------------------------------------------------------
 async def send(handle: Any, request_id: str, prompt: list[int], max_tokens: int, start: float) -> tuple[float | None, float, int]:
     """One streamed generation through the handle; (TTFT, e2e, output tokens) from `start` (loop clock)."""
     loop, ttft, tokens = asyncio.get_running_loop(), None, 0
@@ -159,9 +151,8 @@ async def replay(handle: Any, trace: list[TraceRequest], tag: str, drain_s: floa
 
 
 async def calibrate(handle: Any, mix: Mix, seconds: float, concurrency: int, seed: int) -> float:
-    """A saturated closed loop: `concurrency` clients each replay the skewed trace's requests back to back;
-    capacity = requests completed per second from a quarter into the window (ramp-up skipped) to its end.
-    Requests still running at the end are cancelled, not waited for (a drain would understate it)."""
+    """Requests completed per second by `concurrency` clients replaying the skewed trace back to back, from a quarter
+    into the window (ramp-up skipped) to its end; requests still running then are cancelled (a drain would understate it)."""
     trace, loop, completed, ids = make_trace("skewed", mix, 1000.0, 10.0, seed + 99), asyncio.get_running_loop(), 0, iter(range(10**9))
     start = loop.time()
 
@@ -222,7 +213,6 @@ def run_router(router: str, opts: argparse.Namespace, mix: Mix, probe_dir: Path,
     return out, rate
 
 
-# ---- report ---------------------------------------------------------------------------------------------
 def body(results: dict[str, Any]) -> list[str]:
     m, w = results["mix"], results["workload"]
     lines = [f"Seeds {w['seeds']}, {w['duration_s']:.0f} s of arrivals at {num(w.get('rate_req_s'))} req/s = {w['load']} × the calibrated capacity "
@@ -251,7 +241,6 @@ def body(results: dict[str, Any]) -> list[str]:
 
 
 def write_report(results: dict[str, Any], out_dir: Path) -> list[Path]:
-    """routing.{json,md,png}."""
     plot = report.bars("TTFT p99 by trace and router (pooled over seeds)", "seconds",
                        {t: {router: r["runs"].get(t, {}).get("ttft_p99_s") for router, r in results["routers"].items()} for t in TRACES})
     return report.write(results, out_dir, "routing", "W3 routing: KV-aware vs power-of-two vs round-robin", body(results), {"routing": plot})
@@ -266,20 +255,17 @@ def main() -> None:
                    duration=32.0, load=0.85, calibrate_s=32.0, calibrate_concurrency=16, num_blocks=96, drain_s=90.0, seeds=[0, 1, 2])
     parser.add_argument("--kv-router-kwargs", nargs="*", default=[], metavar="NAME=VALUE", type=lambda t: (t.partition("=")[0], json.loads(t.partition("=")[2])),
                         help="KVCacheAwareRouter options (routing_config.KVRouterSettings), e.g. prefill_weight=0")
-    opts, mix = parser.parse_args(), Mix()
-    results = report.start("bench_routing")
+    opts, mix, results = parser.parse_args(), Mix(), report.start("bench_routing")
     results.update(mix={**asdict(mix), "mean_prompt": mix.mean_prompt, "mean_output": mix.mean_output}, routers={},
                    workload={"duration_s": opts.duration, "seeds": opts.seeds, "load": opts.load, "num_blocks": opts.num_blocks})
-    rate = opts.rate
     with server.probed("bench-routing") as probe_dir, contextlib.closing(asyncio.new_event_loop()) as loop:
-        for router in opts.routers:
-            results["routers"][router], rate = run_router(router, opts, mix, probe_dir, rate, loop)
-            results["workload"]["rate_req_s"] = rate
+        for router in opts.routers:  # the first calibrates the rate (unless --rate gives it) for the others
+            results["routers"][router], opts.rate = run_router(router, opts, mix, probe_dir, opts.rate, loop)
+            results["workload"]["rate_req_s"] = opts.rate
             if "calibration" in results["routers"][router]:
                 results["workload"]["capacity_req_s"] = results["routers"][router]["calibration"]["capacity_req_s"]
     results["comparison"] = {name: compare_runs(results["routers"], name) for name in TRACES}
-    paths = write_report(results, Path(opts.out_dir))
-    print(paths[1].read_text())
+    print(write_report(results, Path(opts.out_dir))[1].read_text())
 
 
 if __name__ == "__main__":

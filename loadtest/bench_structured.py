@@ -1,14 +1,13 @@
-"""Structured outputs (make bench-structured): 16 chat requests at once, greedy, each constrained by one JSON
-schema, on the native engine (constrained, unconstrained with exactly the constrained token counts, and
-constrained with every row masked whole, what checking greedy rows saves) and vLLM-CPU (constrained, unconstrained; xgrammar through its
-`structured_outputs`), each engine in a worker process, runs interleaved over the repeats; also the compile time
-of first-seen schemas.
+"""Structured outputs (docs/structured-outputs.md): 16 chat requests at once, greedy, constrained by one JSON schema
+or unconstrained with exactly the constrained token counts (native also with every row masked whole), on the native
+engine and vLLM-CPU, each in a worker process, runs interleaved over the repeats; and first-seen schemas' compile time.
 
     .venv/bin/python -m loadtest.bench_structured [--repeats 5] [--no-vllm]    # reports/structured.*
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
@@ -20,6 +19,7 @@ from loadtest.report import cell, table
 from loadtest.stats import interleaved, percentile, spread
 from loadtest.worker import Worker, WorkerError
 from serve_app.types import StructuredOutput
+from tests.recording_logger import RecordingLogger
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 40}, "price_usd": {"type": "integer", "minimum": 1, "maximum": 100000},
@@ -45,11 +45,11 @@ class Structured:
         tok = AutoTokenizer.from_pretrained(opts["model"])
         self.ids = [list(tok.apply_chat_template([{"role": "user", "content": f"Describe {p} for an online shop, as JSON."}],
                                                  add_generation_prompt=True, return_dict=True)["input_ids"]) for p in PRODUCTS]
-        self.native, self.steps = opts["engine"] == "native", []
+        self.native, self.recorder = opts["engine"] == "native", RecordingLogger()
         if self.native:
             from serve_app.engine import LLM
 
-            self.llm = LLM(opts["model"], dtype="bfloat16", kv_cache_memory_gib=1.0, max_num_seqs=16, stat_loggers=[self])
+            self.llm = LLM(opts["model"], dtype="bfloat16", kv_cache_memory_gib=1.0, max_num_seqs=16, stat_loggers=[self.recorder])
             self.masks = self.llm.engine.core.model_runner.masks
         else:
             vllm_cpu_env(1)
@@ -58,10 +58,6 @@ class Structured:
             self.llm = LLM(model=opts["model"], dtype="bfloat16", seed=0, max_num_seqs=16, enforce_eager=True, enable_prefix_caching=False,
                            disable_log_stats=False)
         self.run(None, False, self.ids[:4])  # warm-up (and the schema's first compile)
-
-    def record(self, scheduler_stats, finished) -> None:
-        if scheduler_stats is not None:
-            self.steps.append(scheduler_stats)
 
     def run(self, lengths: list[int] | None, mask_whole: bool = False, ids: list[list[int]] | None = None) -> dict[str, Any]:
         """Constrained (`lengths` None) or exactly `lengths` tokens each unconstrained; native
@@ -72,7 +68,7 @@ class Structured:
 
             self.llm.reset_prefix_cache()
             self.masks.check_greedy = not mask_whole
-            self.steps.clear()
+            self.recorder.steps.clear()
             constraint, quiet = {"structured": StructuredOutput(json_schema=json.dumps(SCHEMA))}, {}
         else:
             from vllm import SamplingParams
@@ -90,9 +86,9 @@ class Structured:
             out["tpot_s"] = [(m.last_token_ts - m.first_token_ts) / (len(o.token_ids) - 1) for r, o in zip(requests, outs, strict=True)
                              if (m := r.metrics) is not None and getattr(m, "last_token_ts", 0) and len(o.token_ids) > 1]
         else:
-            masks = [s.grammar_mask_s for s in self.steps if s.grammar_mask_s is not None]
+            masks = [s.grammar_mask_s for s in self.recorder.steps if s.grammar_mask_s is not None]
             out.update(tpot_s=[o.metrics.tpot_s for o in outs if o.metrics.tpot_s is not None],
-                       step_s_median=percentile([s.step_duration_s for s in self.steps], 0.5), mask_s_median=percentile(masks, 0.5))
+                       step_s_median=percentile([s.step_duration_s for s in self.recorder.steps], 0.5), mask_s_median=percentile(masks, 0.5))
         return out
 
     def compile_first_seen(self, count: int) -> list[float]:
@@ -111,17 +107,14 @@ def valid(texts: list[str]) -> int:
 
     ok = 0
     for t in texts:
-        try:
+        with contextlib.suppress(ValueError, jsonschema.ValidationError):
             jsonschema.validate(json.loads(t), SCHEMA)
             ok += 1
-        except (ValueError, jsonschema.ValidationError):
-            pass
     return ok
 
 
 def body(results: dict[str, Any]) -> list[str]:
-    med, n = results["medians"], len(PRODUCTS)
-    c = results["native_compile_first_seen_s"]
+    med, n, c = results["medians"], len(PRODUCTS), results["native_compile_first_seen_s"]
     return [f"{n} chat requests at once, greedy, bf16; constrained by one JSON schema (max_tokens {MAX_TOKENS}); unconstrained runs "
             "generate exactly the constrained runs' token counts (ignore_eos). Medians over the repeats; the runs take turns, their order "
             "rotated each repeat, and each starts once no core is busy (vLLM-CPU's processes spin about a second after a generate).", ""] + table(
@@ -138,8 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     p = report.Parser(__doc__, model=True)
     p.options(repeats=5, threads=2)
     p.add_argument("--no-vllm", action="store_true", help="the native engine alone")
-    args = p.parse_args(argv)
-    results, workers = report.start("bench_structured"), {}
+    args, results, workers = p.parse_args(argv), report.start("bench_structured"), {}
     for engine in ("native",) if args.no_vllm else ("native", "vllm"):
         try:
             workers[engine] = Worker("loadtest.bench_structured:Structured", {"model": args.model, "threads": args.threads, "engine": engine}, 600)
@@ -147,8 +139,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[bench-structured] {engine} failed to start: {exc}", file=sys.stderr)
     if "native" not in workers:
         return 1
-    # the unconstrained runs generate the token counts of one constrained run made here (also the full
-    # batch's warm-up): greedy, so every constrained run of the native engine (batch-invariant) repeats them
+    # the unconstrained runs' token counts: one constrained run's (also the warm-up); greedy native runs (batch-invariant) repeat them
     lengths = {engine: [len(t) for t in w.call("run", None, False)["token_ids"]] for engine, w in workers.items()}
     runs, validity, waited = {}, {}, []
     try:
@@ -173,7 +164,6 @@ def main(argv: list[str] | None = None) -> int:
            for label, rs in runs.items()}
 
     def paired(a: str, b: str, key: str = "output_tok_s") -> dict[str, float] | None:
-        """a ÷ b per repeat (the two ran within moments of each other), as a spread."""
         return spread(x[key] / y[key] for x, y in zip(runs.get(a, []), runs.get(b, []), strict=False) if x[key] and y[key])
 
     ratios = {"native constrained / unconstrained output tok/s": paired("native constrained", "native unconstrained"),

@@ -136,9 +136,8 @@ class Completions:
 
 
 async def burst(stream: Callable[[list[int], int], Awaitable[Stream]], prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
-    """Every prompt streamed at once; output tok/s over the burst, TTFT p50/p99, the gaps between a stream's
-    events from its second on (the gap before it spans the other streams' prefill) p50/p99, events per token.
-    Raises when a stream failed or came short of `max_tokens`."""
+    """Every prompt streamed at once: output tok/s, TTFT p50/p99, the gaps between a stream's events from its second on
+    (the one before spans the other streams' prefill) p50/p99, events per token; raises on a failed or short stream."""
     start = time.perf_counter()
     streams = await asyncio.gather(*(stream(p, max_tokens) for p in prompts))
     elapsed, tokens = time.perf_counter() - start, sum(s.tokens for s in streams)

@@ -1,10 +1,8 @@
-"""The compute floor of a W1 run: its FLOPs at the machine's measured matmul rate (multiply-adds count 2).
-Every token goes through the projections and attends over its context (4 x context x heads x head_dim per
-layer); the lm_head runs once per sampled token. Prefill tokens are charged at the rate of a
-`prefill_rows`-row matmul (the step budget), decode tokens at a `decode_rows`-row one (the batch), measured
-with the model's projection shapes (on CPU in bf16: oneDNN with packed weights or the engine's C++ kernels,
-whichever is faster), best of `repeats`; attention at the same rate, so no engine can beat the floor.
-`Floor` runs in a worker process and is measured right before every W1 run (the machine drifts 10-15%).
+"""The compute floor of a W1 run (docs/benchmarks.md): its FLOPs (multiply-adds count 2; every token through the
+projections and attending over its context, 4 x context x heads x head_dim per layer; the lm_head once per sampled
+token) at the machine's best measured rate (oneDNN with packed weights or the engine's C++ kernels on CPU in bf16) of
+a `prefill_rows`-row matmul for prefill tokens, a `decode_rows`-row one for decode tokens and attention alike, so no
+engine can beat it. `Floor` runs in a worker process, measured right before every W1 run.
 """
 
 from __future__ import annotations
@@ -23,20 +21,16 @@ def _shapes(cfg: dict[str, Any]) -> list[tuple[int, int]]:
     return [(hidden, q + 2 * kv), (q, hidden), (hidden, 2 * inter), (inter, hidden), (hidden, cfg["vocab_size"])]
 
 
-def token_flops(cfg: dict[str, Any]) -> tuple[int, int, int]:
-    """(the projections' FLOPs per token, the lm_head's per sampled row, attention's per (query, key) pair)."""
-    *layer, (hidden, vocab) = _shapes(cfg)
-    return 2 * cfg["num_hidden_layers"] * sum(k * n for k, n in layer), 2 * hidden * vocab, 4 * cfg["num_hidden_layers"] * layer[1][0]
-
-
 def w1_flops(cfg: dict[str, Any], num_requests: int, prompt_len: int, output_len: int) -> dict[str, float]:
-    per_token, head, attn_per_ctx = token_flops(cfg)
+    *layer, (hidden, vocab) = _shapes(cfg)
+    # the projections' FLOPs per token, the lm_head's per sampled row, attention's per (query, key) pair
+    layers = cfg["num_hidden_layers"]
+    per_token, head, attn_per_ctx = 2 * layers * sum(k * n for k, n in layer), 2 * hidden * vocab, 4 * layers * layer[1][0]
     # the prompt token at position p attends over p + 1 keys; decode step i (1-based) feeds the token at
     # position prompt_len + i - 1, which attends over prompt_len + i keys
     prefill = num_requests * (prompt_len * per_token + head + attn_per_ctx * prompt_len * (prompt_len + 1) / 2)
     decodes = output_len - 1
-    decode_ctx = sum(prompt_len + i for i in range(1, decodes + 1))
-    decode = num_requests * (decodes * (per_token + head) + attn_per_ctx * decode_ctx)
+    decode = num_requests * (decodes * (per_token + head) + attn_per_ctx * sum(prompt_len + i for i in range(1, decodes + 1)))
     return {"prefill_flops": prefill, "decode_flops": decode}
 
 
@@ -56,8 +50,7 @@ def matmul_rate(cfg: dict[str, Any], rows: int, dtype_name: str, device: str, re
 
     dtype, shapes = getattr(torch, dtype_name), _shapes(cfg)[:None if with_head else -1]
     mats = [(torch.randn(rows, k, device=device).to(dtype), torch.randn(n, k, device=device).to(dtype)) for k, n in shapes]
-    flops = sum(2 * rows * k * n for k, n in shapes)
-    linears = {"torch": (F.linear, mats)}
+    flops, linears = sum(2 * rows * k * n for k, n in shapes), {"torch": (F.linear, mats)}
     if device == "cpu" and dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported():
         # oneDNN with weights packed once (faster than F.linear's per-call packing)
         linears = {"onednn": (lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""),
@@ -95,8 +88,7 @@ class Floor:
         """The run's FLOPs, the two rates, the floor time and output tok/s."""
         o, cfg = self.opts, self.cfg
         flops = w1_flops(cfg, o["num_requests"], o["prompt_len"], o["output_len"])
-        decode_rows = min(o["num_requests"], o["max_num_seqs"])
-        prefill_rows = min(o["num_requests"] * o["prompt_len"], o["max_num_batched_tokens"])
+        decode_rows, prefill_rows = min(o["num_requests"], o["max_num_seqs"]), min(o["num_requests"] * o["prompt_len"], o["max_num_batched_tokens"])
         decode_rate = matmul_rate(cfg, decode_rows, o["dtype"], o["device"])
         prefill_rate = matmul_rate(cfg, prefill_rows, o["dtype"], o["device"], with_head=False)
         floor_s = flops["prefill_flops"] / prefill_rate + flops["decode_flops"] / decode_rate

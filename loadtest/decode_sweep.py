@@ -33,20 +33,6 @@ def copy_bandwidth(device: torch.device, nbytes: int) -> float:
     return 2 * src.numel() * src.element_size() / best
 
 
-def weight_bytes(runner: ModelRunner) -> int:
-    """Bytes a decode step streams: every projection and norm and the lm_head; not the embedding table
-    (a step reads b of its rows), unless the head is tied to it (then it is read as the head)."""
-    model = runner.model
-    tied_head = model.embed.numel() * model.embed.element_size() if model.lm_head is None else 0
-    return sum(p.numel() * p.element_size() for name, p in model.named_parameters() if name != "embed") + tied_head
-
-
-def decode_batch(b: int, context: int, block_size: int) -> SchedulerOutput:
-    nb, greedy = -(-context // block_size), SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True)
-    return SchedulerOutput(tuple(ScheduledRequest(f"r{i}", (100 + i,), context - 1, tuple(range(i * nb, (i + 1) * nb)), True, False, greedy, None)
-                                 for i in range(b)), b)
-
-
 def main() -> None:
     p = report.Parser(__doc__, "build/decode-sweep-quick", model=True, batch_sizes="1,4,16", steps=5, context=64)
     p.options({"context": "tokens of context per request", "steps": "timed steps per batch size", "block_size": "KV block size (tokens)"},
@@ -54,17 +40,21 @@ def main() -> None:
     p.add_argument("--enforce-eager", action="store_true", help="CUDA: no graphs")
     args = p.parse_args()
     sizes, device = [int(b) for b in args.batch_sizes.split(",")], torch.device(args.device)
-    results = report.start("decode_sweep", args.device)
+    results, nb = report.start("decode_sweep", args.device), -(-args.context // args.block_size)  # KV blocks per request
     cfg = EngineConfig.from_kwargs(args.model, dtype=args.dtype, device=args.device, enforce_eager=args.enforce_eager, max_num_seqs=max(sizes),
-                                   block_size=args.block_size, num_blocks=max(sizes) * -(-args.context // args.block_size) + 1)
+                                   block_size=args.block_size, num_blocks=max(sizes) * nb + 1)
     runner = ModelRunner(cfg.model, cfg.cache, cfg.model.hf_config(), cfg.scheduler)
-    bandwidth, w_bytes = copy_bandwidth(device, 1 << 30 if device.type == "cuda" else 1 << 28), weight_bytes(runner)
+    bandwidth, model = copy_bandwidth(device, 1 << 30 if device.type == "cuda" else 1 << 28), runner.model
+    # the weights a decode step streams: not the embedding table (it reads b rows of it) unless the head is tied to it
+    w_bytes = sum(w.numel() * w.element_size() for name, w in model.named_parameters() if name != "embed" or model.lm_head is None)
     kv_token = kv_cache_bytes_per_block(runner.args, 1, runner.dtype)
     results.update(device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", dtype=args.dtype, attention_backend=runner.backend,
                    cuda_graphs=runner.decode_graphs is not None, context=args.context, steps=args.steps, block_size=args.block_size,
                    weight_bytes=w_bytes, kv_bytes_per_token=kv_token, copy_bandwidth_gb_s=bandwidth / 1e9, rows=[])
-    for b in sizes:
-        batch, times = decode_batch(b, args.context, args.block_size), []
+    greedy = SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True)
+    for b in sizes:  # b requests, each decoding its next token after `context` tokens
+        batch, times = SchedulerOutput(tuple(ScheduledRequest(f"r{i}", (100 + i,), args.context - 1, tuple(range(i * nb, (i + 1) * nb)), True, False,
+                                                              greedy, None) for i in range(b)), b), []
         for _ in range(3):
             runner.execute_model(batch)
         for _ in range(args.steps):

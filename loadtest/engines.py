@@ -1,7 +1,6 @@
 """The engines W1 compares, each behind `run(prompts, output_len) -> RunResult` (every request at once, greedy,
-ignore_eos; the generated ids in prompt order) and `info()`, built in a worker process (loadtest/worker.py:
-`Worker("loadtest.engines:build", {**opts, "engine": name})`). A column more in W1 = one `ENGINES` entry.
-Heavy imports (torch, transformers, serve_app, vllm) happen in the worker, never at import time.
+ignore_eos; the ids in prompt order) and `info()`, built in a worker (`Worker("loadtest.engines:build", {**opts,
+"engine": name})`: heavy imports only there). A column more in W1 = one `ENGINES` entry.
 """
 
 from __future__ import annotations
@@ -47,8 +46,7 @@ class TorchEngine:
         tokens = generate()
         if self.cuda:
             self.torch.cuda.synchronize()
-        elapsed = time.perf_counter() - start
-        return RunResult(tokens, elapsed, extra(), self.torch.cuda.max_memory_allocated() / 2**20 if self.cuda else None)
+        return RunResult(tokens, time.perf_counter() - start, extra(), self.torch.cuda.max_memory_allocated() / 2**20 if self.cuda else None)
 
     def info(self) -> dict[str, Any]:
         gpu = {"gpu": self.torch.cuda.get_device_name(self.torch.device(self.device))} if self.cuda else {}
@@ -68,8 +66,7 @@ class Native(TorchEngine):
     def run(self, prompts: list[list[int]], output_len: int) -> RunResult:
         from serve_app.engine import SamplingParams
 
-        # W1 repeats its prompts: without a reset every repeat after the first would be served from the prefix
-        # cache, which HF cannot do (each run reports its cached tokens to show it)
+        # W1 repeats its prompts: no repeat may hit the prefix cache, which HF lacks (each run reports its cached tokens)
         self.llm.reset_prefix_cache()
         params, steps, outs = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True), [], []
 
@@ -94,7 +91,7 @@ class Native(TorchEngine):
 
 
 class HFStatic(TorchEngine):
-    """HF transformers `generate` in static batches of `hf_batch_size` (left padding + attention mask)."""
+    """HF transformers `generate` in static batches of `hf_batch_size` (W1's prompts are all one length: no padding)."""
 
     def __init__(self, opts: dict[str, Any]) -> None:
         super().__init__(opts)
@@ -114,16 +111,13 @@ class HFStatic(TorchEngine):
     def _batch(self, batch: list[list[int]], output_len: int) -> list[list[int]]:
         from transformers import GenerationConfig
 
-        width, torch = max(len(p) for p in batch), self.torch
-        ids, mask = torch.full((len(batch), width), self.pad_id, dtype=torch.long), torch.zeros((len(batch), width), dtype=torch.long)
-        for row, prompt in enumerate(batch):  # left padding: every prompt ends at the last column
-            ids[row, width - len(prompt):], mask[row, width - len(prompt):] = torch.tensor(prompt), 1
+        ids = self.torch.tensor(batch, device=self.device)
         # min_new_tokens = ignore_eos: EOS is masked until max_new_tokens
         config = GenerationConfig(max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False, pad_token_id=self.pad_id,
                                   eos_token_id=self.eos_id)
-        with torch.inference_mode():
-            out = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device), generation_config=config)
-        return out[:, width:].tolist()
+        with self.torch.inference_mode():
+            out = self.model.generate(input_ids=ids, attention_mask=self.torch.ones_like(ids), generation_config=config)
+        return out[:, ids.shape[1]:].tolist()
 
     def run(self, prompts: list[list[int]], output_len: int) -> RunResult:
         return self.timed(lambda: [t for i in range(0, len(prompts), self.batch_size) for t in self._batch(prompts[i:i + self.batch_size], output_len)],

@@ -1,8 +1,6 @@
-"""Load-test workload profiles (pure Python: no Locust): `short-chat` (short questions, 32-96-token replies),
-`long-prompt` (a ~1,100-token document to summarize, 64 tokens), `skewed` (90% short-chat, 10% long with a
-256-token reply) and `shared-prefix` (multi-turn chats on one ~450-token system prompt, each user keeping its
-conversation for `turns` turns). A request carries both renderings (chat `messages`, a transcript `prompt`);
-everything is drawn from the caller's seeded `random.Random`.
+"""Load-test workload profiles (pure Python: no Locust), as docs/loadtest.md lists them; each user keeps a
+`shared-prefix` conversation for `turns` turns. A request carries both renderings (chat `messages`, a transcript
+`prompt`); everything is drawn from the caller's seeded `random.Random`.
 """
 
 from __future__ import annotations
@@ -50,8 +48,7 @@ def filler_text(rng: random.Random, num_words: int) -> str:
 
 
 def shared_system_prompt(num_words: int = 400) -> str:
-    rng = random.Random(SYSTEM_PROMPT_SEED)
-    return "You are a helpful assistant for an online store. Store policies follow. " + filler_text(rng, num_words)
+    return "You are a helpful assistant for an online store. Store policies follow. " + filler_text(random.Random(SYSTEM_PROMPT_SEED), num_words)
 
 
 @dataclass(frozen=True)
@@ -71,26 +68,19 @@ class LLMRequest:
 
 
 def choose_api(request: LLMRequest, api: str, rng: random.Random) -> str:
-    """'auto': the profile's own choice; 'mixed': chat or completions at random (50/50)."""
-    if api not in APIS:
-        raise ValueError(f"api: must be one of {APIS}, got {api!r}")
-    if api == "auto":
-        return request.default_api
+    """`api` (one of APIS) → chat or completions; 'auto': the profile's own choice; 'mixed': either at random."""
     if api == "mixed":
         return rng.choice(("chat", "completions"))
-    return api
+    return request.default_api if api == "auto" else api
 
 
 class Workload:
-    """Draws requests for one simulated user. Not shared between users (the multi-turn state is per user)."""
+    """Draws requests of `profile` (one of PROFILES) for one simulated user: not shared (the multi-turn state is per user)."""
 
     def __init__(self, profile: str, rng: random.Random, *, turns: int = 4, max_tokens: int = 0) -> None:
-        if profile not in PROFILES:
-            raise ValueError(f"profile: must be one of {PROFILES}, got {profile!r}")
         if turns < 1:
             raise ValueError("turns: must be >= 1")
-        self.profile, self.rng, self.turns = profile, rng, turns
-        self.max_tokens = max_tokens  # 0: the profile's own lengths
+        self.profile, self.rng, self.turns, self.max_tokens = profile, rng, turns, max_tokens  # max_tokens 0: the profile's own
         self.messages: list[dict] = []  # shared-prefix: this user's conversation so far
         self.turn = 0
         self._system = shared_system_prompt() if profile == "shared-prefix" else ""
@@ -112,8 +102,7 @@ class Workload:
         return LLMRequest(messages, self._cap(self.rng.randint(32, 96)), "short", "chat")
 
     def _long(self, max_tokens: int, tag: str) -> LLMRequest:
-        document = filler_text(self.rng, 1000)  # ≈ 1,100 tokens, different for every request
-        content = f"Summarize the following document in a few sentences.\n\n{document}"
+        content = "Summarize the following document in a few sentences.\n\n" + filler_text(self.rng, 1000)  # ≈ 1,100 tokens, each new
         return LLMRequest(({"role": "user", "content": content},), self._cap(max_tokens), tag, "completions")
 
     def _next_turn(self) -> LLMRequest:
@@ -125,28 +114,22 @@ class Workload:
 
     def record_reply(self, text: str) -> None:
         """Append the server's reply to the conversation (shared-prefix); a failed turn ends the conversation."""
-        if self.profile != "shared-prefix":
-            return
-        if text:
+        if self.profile == "shared-prefix" and text:
             self.messages.append({"role": "assistant", "content": text})
-        else:
+        elif self.profile == "shared-prefix":
             self.turn = self.turns
 
 
 class PoissonArrivals:
-    """Open-loop arrivals: exponential gaps at `rate_per_s`, one clock shared by every user of a process; the
+    """Open-loop arrivals: exponential gaps at `rate_per_s` (> 0), one clock shared by every user of a process; the
     user that claims an arrival sleeps until it, so arrivals do not depend on how fast the server answers."""
 
     def __init__(self, rate_per_s: float, seed: int = 0) -> None:
-        if not rate_per_s > 0:
-            raise ValueError(f"arrival_rate: must be > 0, got {rate_per_s!r}")
         self.rate_per_s, self.rng = rate_per_s, random.Random(seed)
         self._next: float | None = None
 
     def claim(self, now: float) -> float:
-        if self._next is None:
-            self._next = now
-        self._next += self.rng.expovariate(self.rate_per_s)
+        self._next = (now if self._next is None else self._next) + self.rng.expovariate(self.rate_per_s)
         return self._next
 
 

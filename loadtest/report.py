@@ -26,10 +26,9 @@ class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpF
 
 
 class Parser(argparse.ArgumentParser):
-    """A benchmark's command line: its module docstring as help, `--out-dir` (default reports) and, with
-    `quick_dir`, `--quick`: a smoke run into `quick_dir` with the `quick` option values (where an option
-    is left at its default); `quick_note`: what else the smoke run changes; `model`: with `--model` (the
-    repository's model by default)."""
+    """A benchmark's command line: its module docstring as help, `--out-dir` (default reports), with `model` a
+    `--model` (the repository's), with `quick_dir` a `--quick`: a smoke run into `quick_dir` with the `quick` values
+    of the options left at their defaults (`quick_note`: what else it changes)."""
 
     def __init__(self, doc: str | None, quick_dir: str = "", quick_note: str = "", model: bool = False, **quick: Any) -> None:
         super().__init__(description=doc, formatter_class=_Help)
@@ -71,9 +70,8 @@ def cell(s: dict[str, float] | None, scale: float = 1.0, digits: int = 1) -> str
     """A spread as `median (min–max)`; the value alone for one repeat; – for none."""
     if not s:
         return "–"
-    if s["n"] == 1:
-        return f"{s['median'] * scale:,.{digits}f}"
-    return f"{s['median'] * scale:,.{digits}f} ({s['min'] * scale:,.{digits}f}–{s['max'] * scale:,.{digits}f})"
+    spread = "" if s["n"] == 1 else f" ({s['min'] * scale:,.{digits}f}–{s['max'] * scale:,.{digits}f})"
+    return f"{s['median'] * scale:,.{digits}f}{spread}"
 
 
 def num(value: float | None, digits: int = 2, scale: float = 1.0) -> str:
@@ -86,9 +84,8 @@ def table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
 
 
 def bars(title: str, ylabel: str, groups: dict[str, dict[str, Any]], panels: bool = False) -> Plot:
-    """Grouped bars: a group per key of `groups`, a bar per series in it; a spread ({"median", "min",
-    "max"}) draws its median with the min–max as an error bar; None draws nothing. `panels`: each group
-    on axes of its own, titled with its key (for groups of different units)."""
+    """Grouped bars: a group per key of `groups`, a bar per series in it; a spread draws its median with the min–max as
+    an error bar, None nothing. `panels`: each group on axes of its own, titled with its key (for different units)."""
     def draw(plt):
         series = list(dict.fromkeys(k for g in groups.values() for k in g))
         parts = [{g: v} for g, v in groups.items()] if panels else [groups]
@@ -125,36 +122,30 @@ def lines(title: str, xlabel: str, ylabel: str, series: dict[str, list[tuple[flo
     return draw
 
 
-def _save_plots(plots: dict[str, Plot], out_dir: Path) -> list[Path]:
+def write(results: dict[str, Any], out_dir: str | Path, name: str, title: str, body: Sequence[str], plots: dict[str, Plot] | None = None) -> list[Path]:
+    """Add the load after and the duration to `results` and write the report's files (again, when called
+    again: a long benchmark writes after each part); returns their paths."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results["machine"]["load_avg_after"] = machine.load_average()
+    if "started" in results:  # (results made elsewhere, e.g. by a test, carry their own or none)
+        results["duration_s"] = round(time.monotonic() - results["started"], 1)
+    paths = [out_dir / f"{name}.json", out_dir / f"{name}.md"]
+    paths[0].write_text(json.dumps({k: v for k, v in results.items() if k != "started"}, indent=1, default=str) + "\n")
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return []
-    paths = []
-    for name, draw in plots.items():
+        plots = None
+    for figure, draw in (plots or {}).items():
         fig = draw(plt)
-        paths.append(out_dir / f"{name}.png")
+        paths.append(out_dir / f"{figure}.png")
         fig.tight_layout()
         fig.savefig(paths[-1], dpi=110)
         plt.close(fig)
-    return paths
-
-
-def write(results: dict[str, Any], out_dir: str | Path, name: str, title: str, body: Sequence[str], plots: dict[str, Plot] | None = None) -> list[Path]:
-    """Add the load after and the duration to `results` and write the report's files (again, when called
-    again: a long benchmark writes after each part); returns their paths."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    machine.finish(results["machine"])
-    if "started" in results:  # (results made elsewhere, e.g. by a test, carry their own or none)
-        results["duration_s"] = round(time.monotonic() - results["started"], 1)
-    paths = [out_dir / f"{name}.json", out_dir / f"{name}.md"]
-    paths[0].write_text(json.dumps({k: v for k, v in results.items() if k != "started"}, indent=1, default=str) + "\n")
-    figures = _save_plots(plots or {}, out_dir)
     head = [f"# {title}", "", f"`{results['command']}`", "",
             f"{results['date']}, {results.get('duration_s')} s; {machine.describe(results['machine'])}.", ""]
-    paths[1].write_text("\n".join([*head, *body, "", *(f"![{p.stem}]({p.name})" for p in figures)]).replace("\n\n\n", "\n\n").rstrip() + "\n")
-    return paths + figures
+    paths[1].write_text("\n".join([*head, *body, "", *(f"![{p.stem}]({p.name})" for p in paths[2:])]).replace("\n\n\n", "\n\n").rstrip() + "\n")
+    return paths

@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
-# `make loadtest` (docs/loadtest.md): a bounded, headless Locust run against a running OpenAI-compatible server
-# (by default `make serve` in another terminal), then its report (python -m loadtest.loadtest_report) →
-# reports/loadtest.{md,json} and reports/loadtest_*.png; Locust's CSV and HTML and the per-request records in
-# $OUT. Settings: the LOADTEST_* variables below (the Makefile passes its own), OPENAI_API_KEY if the server
-# needs a key. Exit status: Locust's (1 if any request failed).
+# `make loadtest` (docs/loadtest.md): a bounded, headless Locust run against a running OpenAI-compatible server, then
+# its report (loadtest.loadtest_report) → reports/loadtest.{md,json}, reports/loadtest_*.png; Locust's CSV and HTML
+# and the per-request records in $OUT. Settings: the LOADTEST_* variables below, OPENAI_API_KEY if the server needs
+# a key. Exit status: Locust's (1 if any request failed).
 set -euo pipefail
 
 VENV=${VENV:-.venv}

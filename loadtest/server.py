@@ -35,9 +35,8 @@ def config_args(config: str = "configs/local.yaml", **overrides: Any) -> dict[st
 
 @contextlib.contextmanager
 def ray_started(namespace: str, env: dict[str, str] | None = None) -> Iterator[None]:
-    """A local Ray whose processes see `env` (Ray and Serve read theirs when a process starts) and this
-    checkout first (replicas import `loadtest` and `serve_app` from it). On the way out Serve and Ray
-    stop, this process's environment is restored and HAProxy's directory (if `env` made one) removed."""
+    """A local Ray whose processes see `env` (read when a process starts) and this checkout first (replicas import
+    `loadtest` and `serve_app` from it); then Serve and Ray stop, the environment and HAProxy's directory are undone."""
     saved = dict(os.environ)
     # Ray's own traffic on loopback; its workers at normal priority, as `make serve` starts them
     os.environ.update({"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_worker_niceness": "0", **(env or {})})
@@ -65,9 +64,8 @@ def ray_started(namespace: str, env: dict[str, str] | None = None) -> Iterator[N
 
 @contextlib.contextmanager
 def probed(namespace: str) -> Iterator[Path]:
-    """A private Ray with Serve's HTTP proxy whose LLMServer replicas, deployed with the replica probe
-    (tests/replica_probe.py: `FACTORY` in `stat_logger_factories`), write their engine facts into the
-    directory yielded; removed at the end."""
+    """A private Ray with Serve's HTTP proxy whose replicas, deployed with tests/replica_probe.py's `FACTORY` in
+    `stat_logger_factories`, write their engine facts into the directory yielded (removed at the end)."""
     from tests.replica_probe import PROBE_DIR_ENV
 
     with (tempfile.TemporaryDirectory(prefix=f"{namespace}-probes-", ignore_cleanup_errors=True) as probe_dir,
@@ -98,8 +96,7 @@ class App:
 
 @contextlib.contextmanager
 def deployed(args: dict[str, Any], name: str) -> Iterator[App]:
-    """Our app from `args` deployed as `name` at "/", until the block ends (under HAProxy mode: once HAProxy sends
-    requests to its ingress)."""
+    """Our app from `args` deployed as `name` at "/" (under HAProxy: once it routes to the ingress), until the block ends."""
     from ray import serve
 
     from serve_app.serving.app import build_app

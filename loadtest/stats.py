@@ -27,9 +27,7 @@ def percentile(values: Iterable[float], q: float) -> float | None:
 def spread(values: Iterable[float]) -> dict[str, float] | None:
     """{"median", "min", "max", "n"} of repeated measurements; None for none."""
     values = list(values)
-    if not values:
-        return None
-    return {"median": percentile(values, 0.5), "min": min(values), "max": max(values), "n": len(values)}
+    return {"median": percentile(values, 0.5), "min": min(values), "max": max(values), "n": len(values)} if values else None
 
 
 def ratio(a: float | None, b: float | None) -> float | None:
@@ -38,8 +36,7 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 
 def interleaved(names: Sequence[str], repeat: int) -> list[str]:
-    """The order of `names` in repeat `repeat`: rotated by one each repeat, so that a drift in the
-    machine's speed during a run hits every compared system alike."""
+    """`names` rotated by one each repeat: a drift in the machine's speed during a run hits every compared system alike."""
     k = repeat % len(names) if names else 0
     return [*names[k:], *names[:k]]
 

@@ -6,6 +6,7 @@ worker goes on serving after a failed call, not after a failed build or its deat
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import multiprocessing as mp
 import threading
@@ -46,8 +47,7 @@ class Worker:
     def __init__(self, target: str, opts: dict[str, Any], timeout_s: float = 3600.0) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        # not a daemon: vLLM starts processes of its own
-        self.proc = ctx.Process(target=_serve, args=(target, opts, child), name=target.rpartition(":")[2])
+        self.proc = ctx.Process(target=_serve, args=(target, opts, child), name=target.rpartition(":")[2])  # not a daemon: vLLM starts processes
         self.proc.start()
         child.close()
         self.timeout_s, self.peak_rss, self._halt, started = timeout_s, 0, threading.Event(), time.perf_counter()
@@ -93,10 +93,8 @@ class Worker:
 
     def stop(self) -> None:
         self._halt.set()
-        try:
+        with contextlib.suppress(OSError):
             self.conn.send(("stop", ()))
-        except OSError:
-            pass
         self.proc.join(30)
         if self.proc.is_alive():
             for p in machine.tree(self.proc.pid)[1:]:  # e.g. vLLM's engine-core process

@@ -65,18 +65,14 @@ def test_shared_prefix_conversations_carry_replies_and_restart():
     assert "\nAssistant: an answer\nUser: " in second.prompt
 
 
-def test_choose_api_and_bad_options():
+def test_choose_api():
     rng = random.Random(0)
     req = _draw("long-prompt", 1)[0]
     assert choose_api(req, "auto", rng) == "completions"
     assert choose_api(req, "chat", rng) == "chat"
     assert {choose_api(req, "mixed", rng) for _ in range(50)} == {"chat", "completions"}
-    with pytest.raises(ValueError, match="api"):
-        choose_api(req, "embeddings", rng)
-    with pytest.raises(ValueError, match="profile"):
-        Workload("nope", rng)
-    with pytest.raises(ValueError, match="arrival_rate"):
-        PoissonArrivals(0)
+    with pytest.raises(ValueError, match="turns"):
+        Workload("shared-prefix", rng, turns=0)
 
 
 def test_poisson_arrivals_rate_and_open_loop():

@@ -30,8 +30,6 @@ def test_traces_are_seeded_poisson_with_the_skewed_mix():
     assert all(r.prompt_len == mix.long_prompt and r.output_len == mix.long_output for r in longs)
     uniform = make_trace("uniform", mix, rate=20.0, duration_s=50.0, seed=3)
     assert {(r.prompt_len, r.output_len) for r in uniform} == {(mix.mean_prompt, mix.mean_output)}
-    with pytest.raises(ValueError):
-        make_trace("bursty", mix, 1.0, 1.0, 0)
 
 
 def test_summary():
