@@ -280,6 +280,7 @@ def parse_args() -> argparse.Namespace:
     add("--omp-wait-policies", nargs="+", choices=OMP_WAIT_POLICIES, help="real engine: omp_wait_policy values (default: the config's)")
     add("--placements", nargs="+", default=["float"], choices=tuple(serving_path.PLACEMENTS),
         help="real engine: float (the OS places threads), pin (each LLMServer replica on a core of its own), bind (OMP_PROC_BIND=close)")
+    add("--worker-niceness", type=int, nargs="+", default=[0], help="real engine: the niceness Ray starts its workers at (Ray's default: 15)")
     add("--anchors", nargs="*", default=list(serving_anchors.ANCHORS), choices=serving_anchors.ANCHORS,
         help="other stacks (vLLM ones need `make install-vllm`, Ray Serve LLM also pyarrow); none: skip")
     add("--skip-null", action="store_true", help="only the real engine: Serve vs direct")
@@ -311,8 +312,9 @@ def main() -> None:
     if real_here:
         direct = DirectTarget(args["model"], engine_kwargs)
         try:
-            for profile, placement in itertools.product(real_here, opts.placements):
-                with server.ray_started("bench-serving", {**envs[profile], **serving_path.PLACEMENT_ENV.get(placement, {})}):
+            for profile, placement, niceness in itertools.product(real_here, opts.placements, opts.worker_niceness):
+                with server.ray_started("bench-serving", {**envs[profile], **serving_path.PLACEMENT_ENV.get(placement, {}),
+                                                          "RAY_worker_niceness": str(niceness)}):
                     for (replicas, threads), mux, batch, omp in itertools.product(
                             zip(opts.replicas, opts.replica_threads, strict=True), opts.real_mux,
                             opts.real_batch or [args.get("stream_batch_interval_s", 0.0)], opts.omp_wait_policies or [args.get("omp_wait_policy", "passive")]):
@@ -320,7 +322,8 @@ def main() -> None:
                                         "stream_batch_interval_s": batch, "omp_wait_policy": omp}
                         variant = run_variant(direct, variant_args, opts, vocab, seed_base=100_000 * len(results["variants"]), pin=placement == "pin")
                         results["variants"].append({**variant, "torch_threads_per_replica": threads or os.cpu_count(), "profile": profile,
-                                                    "batch_interval_s": batch, "placement": placement, "omp_wait_policy": omp})
+                                                    "batch_interval_s": batch, "placement": placement, "omp_wait_policy": omp,
+                                                    "worker_niceness": niceness})
         finally:
             direct.engine.shutdown()
     if "haproxy" in {*real_profiles, *null_profiles} and not haproxy_alone:

@@ -38,8 +38,10 @@ def ray_started(namespace: str, env: dict[str, str] | None = None) -> Iterator[N
     """A local Ray whose processes see `env` (read when a process starts) and this checkout first (replicas import
     `loadtest` and `serve_app` from it); then Serve and Ray stop, the environment and HAProxy's directory are undone."""
     saved = dict(os.environ)
-    # Ray's own traffic on loopback; its workers at normal priority, as `make serve` starts them
-    os.environ.update({"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_worker_niceness": "0", **(env or {})})
+    # Ray's own traffic on loopback; its workers at normal priority as `make serve` starts them (unless this
+    # process's environment names another niceness)
+    os.environ.update({"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_worker_niceness": os.environ.get("RAY_worker_niceness", "0"),
+                       **(env or {})})
     import ray  # (after the environment: Serve reads some of it when first imported)
 
     from tests.ray_start import init_local_ray

@@ -135,6 +135,7 @@ def test_dockerfile_instructions_and_pins():
     assert user and user[-1] not in ("root", "0"), "run as a non-root user"
     env = " ".join(a for k, a in runtime if k == "ENV")
     assert "PATH=/app/.venv/bin:" in env and "HOME=/home/" in env  # the cluster launcher reads HOME from the image
+    assert "RAY_worker_niceness=0" in env.split()  # `ray start` in the image: the engine replicas at normal priority
     exposed = {int(p) for k, a in runtime if k == "EXPOSE" for p in a.split()}
     assert {6379, 8265, 8000, 8080} <= exposed
 

@@ -144,3 +144,13 @@ def test_a_cpu_replica_starts_with_the_openmp_wait_policy(policy, device, env):
     config = ServeConfig(model="models/x", omp_wait_policy=policy, engine={"device": device})
     options = replica_placement(config)["ray_actor_options"]
     assert options.get("runtime_env", {}).get("env_vars") == env
+
+
+def test_a_replica_below_normal_priority_warns_with_the_fix():
+    """Ray's workers start at niceness 15 unless the cluster is started with RAY_worker_niceness=0;
+    a replica at a positive niceness says so and how to fix it, one at 0 (or below) says nothing."""
+    from serve_app.serving.llm_server import WORKER_NICENESS_ENV, niceness_warning
+
+    assert niceness_warning(0) is None and niceness_warning(-5) is None
+    warning = niceness_warning(15)
+    assert warning is not None and "niceness 15" in warning and f"{WORKER_NICENESS_ENV}=0" in warning
