@@ -28,7 +28,7 @@ from loadtest.bench_engine import make_prompts
 from loadtest.client import Completions, Stream, burst
 from loadtest.report import cell, table
 from loadtest.stats import percentile, spread
-from serve_app.serving.config import OMP_WAIT_POLICIES
+from serve_app.serving.config import OMP_WAIT_POLICIES, WORKER_NICENESS_ENV
 from serve_app.serving.haproxy_env import HAPROXY
 from serve_app.types import GenerateRequest, SamplingParams
 
@@ -314,7 +314,7 @@ def main() -> None:
         try:
             for profile, placement, niceness in itertools.product(real_here, opts.placements, opts.worker_niceness):
                 with server.ray_started("bench-serving", {**envs[profile], **serving_path.PLACEMENT_ENV.get(placement, {}),
-                                                          "RAY_worker_niceness": str(niceness)}):
+                                                          WORKER_NICENESS_ENV: str(niceness)}):
                     for (replicas, threads), mux, batch, omp in itertools.product(
                             zip(opts.replicas, opts.replica_threads, strict=True), opts.real_mux,
                             opts.real_batch or [args.get("stream_batch_interval_s", 0.0)], opts.omp_wait_policies or [args.get("omp_wait_policy", "passive")]):

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from serve_app.metrics.local_stack import free_port
+from serve_app.serving.config import WORKER_NICENESS_ENV
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = REPO / "models" / "smollm2-135m-instruct"
@@ -40,7 +41,7 @@ def ray_started(namespace: str, env: dict[str, str] | None = None) -> Iterator[N
     saved = dict(os.environ)
     # Ray's own traffic on loopback; its workers at normal priority as `make serve` starts them (unless this
     # process's environment names another niceness)
-    os.environ.update({"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_worker_niceness": os.environ.get("RAY_worker_niceness", "0"),
+    os.environ.update({"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", WORKER_NICENESS_ENV: os.environ.get(WORKER_NICENESS_ENV, "0"),
                        **(env or {})})
     import ray  # (after the environment: Serve reads some of it when first imported)
 

@@ -18,6 +18,8 @@ from serve_app.validation import require
 
 PREFIX_CACHE_SALTS = ("auto", "tenant", "api_key", "none")
 OMP_WAIT_POLICIES = ("passive", "active", "default")
+# Ray starts its worker processes (the replicas) at this variable's niceness, 15 when unset; make serve sets 0
+WORKER_NICENESS_ENV = "RAY_worker_niceness"
 
 
 @dataclass(frozen=True)

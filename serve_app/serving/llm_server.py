@@ -50,7 +50,7 @@ from serve_app.backends import Backend, BackendDeadError, ModelInfo, make_backen
 from serve_app.block_hash import prompt_block_keys
 from serve_app.faults import Stage
 from serve_app.metrics.loggers import RayStatLogger
-from serve_app.serving.config import ServeConfig
+from serve_app.serving.config import WORKER_NICENESS_ENV, ServeConfig
 from serve_app.serving.delta_channel import ChannelAddress
 from serve_app.serving.drain import shutdown_probe
 from serve_app.serving.engine_watch import EngineWatch
@@ -92,13 +92,9 @@ def configure_torch_threads(num_threads: int) -> int:
     return n
 
 
-# Ray starts worker processes at niceness 15 (its `worker_niceness`) unless the cluster is started with this
-# variable set; then every Ray daemon, client and build on the machine preempts the engine's threads
-WORKER_NICENESS_ENV = "RAY_worker_niceness"
-
-
 def niceness_warning(niceness: int) -> str | None:
-    """What to log when a CPU replica's process runs at `niceness` (None at 0 or below)."""
+    """What to log when a CPU replica's process runs at `niceness` (None at 0 or below): at a positive one,
+    every Ray daemon, client and build on the machine preempts the engine's threads."""
     if niceness <= 0:
         return None
     return (f"this replica runs at niceness {niceness}: any other process on the machine (Ray's daemons, clients) preempts "

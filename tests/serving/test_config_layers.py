@@ -149,7 +149,8 @@ def test_a_cpu_replica_starts_with_the_openmp_wait_policy(policy, device, env):
 def test_a_replica_below_normal_priority_warns_with_the_fix():
     """Ray's workers start at niceness 15 unless the cluster is started with RAY_worker_niceness=0;
     a replica at a positive niceness says so and how to fix it, one at 0 (or below) says nothing."""
-    from serve_app.serving.llm_server import WORKER_NICENESS_ENV, niceness_warning
+    from serve_app.serving.config import WORKER_NICENESS_ENV
+    from serve_app.serving.llm_server import niceness_warning
 
     assert niceness_warning(0) is None and niceness_warning(-5) is None
     warning = niceness_warning(15)
