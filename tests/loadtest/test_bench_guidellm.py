@@ -74,6 +74,21 @@ def test_comparison_report_pairs_ratios_per_repeat(tmp_path):
     assert json.loads((tmp_path / "guidellm.json").read_text())["vs_vllm"] == results["vs_vllm"]
 
 
+def test_ours_engine_items_set_engine_options_over_the_configs(tmp_path):
+    assert bench_guidellm.engine_options("waiting_served_ratio=0,max_waiting_steps=8,batching=dynamic") == {
+        "waiting_served_ratio": 0, "max_waiting_steps": 8, "batching": "dynamic"}
+    assert bench_guidellm.engine_options("") == {}
+    base = bench_guidellm.summary(REPORT)
+    runs = [{**base, "server": server, "repeat": 0, "startup_s": 30.0, "client_cpu_s": 20.0, "others_cpu_pct": 4.0, "output_tok_s": tok_s}
+            for server, tok_s in (("ours", 260.0), ("ours waiting_served_ratio=0", 240.0), ("vllm", 200.0))]
+    results = {**report.start("bench_guidellm"), "guidellm": "0.8.1", "config": "configs/local.yaml", "profile": "haproxy",
+               "workload": {"concurrency": 16, "prompt_tokens": 128, "output_tokens": 64, "seconds": 40.0}, "runs": runs}
+    bench_guidellm.write(results, opts(out_dir=str(tmp_path)))
+    assert results["vs_vllm"]["ours waiting_served_ratio=0"]["output_tok_s"] == pytest.approx([1.2])
+    md = (tmp_path / "guidellm.md").read_text()
+    assert "| ours (configs/local.yaml, SERVE_PROFILE=haproxy) with waiting_served_ratio=0 | 1.20 |" in md
+
+
 def test_make_targets_keep_guidellm_in_its_own_venv():
     """install-guidellm installs only into .venv-guidellm, from a file that pins every package (guidellm 0.8.1, the project's
     torch); guidellm runs the client mode, bench-guidellm the comparison."""
