@@ -132,6 +132,8 @@ class SchedulerConfig:
         require(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
         require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1")
         require(self.waiting_served_ratio >= 0, "waiting_served_ratio", "must be >= 0")
+        require(not self.waiting_served_ratio or self.batching == "continuous", "waiting_served_ratio",
+                "applies to continuous batching only (static and dynamic batches admit no one while they run)")
         require(self.max_waiting_steps >= 0, "max_waiting_steps", "must be >= 0")
         require(0 <= self.batch_size <= self.max_num_seqs, "batch_size", "must be in [0, max_num_seqs]")
         if self.batch_size == 0:

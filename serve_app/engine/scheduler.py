@@ -215,8 +215,8 @@ class Scheduler:
         )
 
     def _admitting(self) -> bool:
-        """Whether waiting requests may join this step (continuous: held while too few of them wait)."""
-        ratio = self.config.waiting_served_ratio if self.config.batching == "continuous" else 0.0
+        """Whether waiting requests may join this step (with `waiting_served_ratio`: not while too few of them wait)."""
+        ratio = self.config.waiting_served_ratio
         if (not ratio or not self.waiting or not self.running or self._held_steps >= self.config.max_waiting_steps
                 or len(self.waiting) >= ratio * len(self.running)):
             self._held_steps = 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -61,6 +62,7 @@ ops = st.lists(
     hold=st.sampled_from([(0.0, 20), (0.5, 3), (2.0, 0), (1.0, 6)]),
 )
 def test_random_traffic_keeps_integrity(ops, num_blocks, budget, max_seqs, batching, prefix, chunked, hold):
+    hold = hold if batching == "continuous" else (0.0, 20)
     scheduler, bm = make_scheduler(num_blocks, budget, max_seqs, batching, prefix, chunked, *hold)
     added = 0
     for kind, a, b, family in ops:
@@ -217,20 +219,16 @@ def test_a_held_request_joins_after_max_waiting_steps():
     assert held == 4
 
 
-def test_holding_is_off_by_default_and_outside_continuous_batching():
+def test_holding_is_off_by_default_and_only_for_continuous_batching():
     scheduler, _ = make_scheduler(num_blocks=64, budget=256, max_seqs=8)
     scheduler.add_request(Request("a", [1] * 5, SamplingParams(max_tokens=20, ignore_eos=True), None, 0.0))
     step(scheduler)
     scheduler.add_request(Request("b", [2] * 5, SamplingParams(max_tokens=3, ignore_eos=True), None, 0.0))
     assert running_ids(step(scheduler)) == {"a", "b"}
-    # dynamic batching runs its batch to completion whatever the ratio: the ratio never delays a batch's own members
-    config = SchedulerConfig(batching="dynamic", max_num_seqs=8, max_num_batched_tokens=6, enable_chunked_prefill=False,
-                             waiting_served_ratio=4.0, max_waiting_steps=50)
-    scheduler = Scheduler(config, BlockManager(64, BLOCK), max_model_len=256)
-    for rid in "ab":
-        scheduler.add_request(Request(rid, [ord(rid)] * 5, SamplingParams(max_tokens=3, ignore_eos=True), None, 0.0))
-    assert running_ids(step(scheduler)) == {"a"}  # the budget fits one prompt
-    assert running_ids(step(scheduler)) == {"a", "b"}
+    with pytest.raises(ValueError, match="waiting_served_ratio: applies to continuous batching only"):
+        SchedulerConfig(batching="dynamic", waiting_served_ratio=1.0)
+    with pytest.raises(ValueError, match="max_waiting_steps"):
+        SchedulerConfig(waiting_served_ratio=1.0, max_waiting_steps=-1)
 
 
 def test_requests_arriving_together_with_a_new_shared_prefix_compute_it_once():

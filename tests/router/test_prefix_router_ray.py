@@ -43,8 +43,10 @@ def text(rng: random.Random, n_words: int) -> str:
 
 @pytest.fixture(scope="module")
 def app(local_ray, probe_dir):
+    # statistics count as fresh for 30 s (default here 2 s): on a loaded 2-core machine a replica busy
+    # prefilling publishes late, and these tests check the cache-aware choice, not the stale fallback
     args = router_app_args(router="prefix_aware", ingress_num_replicas=2, ingress_num_cpus=0,
-                           engine={"num_blocks": 96, "max_num_seqs": 8})
+                           engine={"num_blocks": 96, "max_num_seqs": 8}, router_kwargs={"max_stats_age_s": 30.0})
     with serve_app(args) as base_url:
         yield base_url
 
