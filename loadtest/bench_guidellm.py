@@ -141,8 +141,8 @@ def compare(opts: argparse.Namespace) -> None:
                "runs": []}
     if opts.profile == "haproxy":  # read once, when Ray Serve is first imported in this process
         os.environ[HAPROXY] = "1"
+    ours = [" ".join(("ours", *([] if spec == OURS_AS_CONFIGURED else [spec]))) for spec in opts.ours_engine]
     for repeat in range(opts.repeats):
-        ours = [" ".join(("ours", *([] if spec == OURS_AS_CONFIGURED else [spec]))) for spec in opts.ours_engine]
         for name in interleaved([*ours, "vllm"], repeat):
             begin = time.monotonic()
             with started(name, opts) as url:
