@@ -30,7 +30,12 @@ cached there too. Costs within `ttft_tie_ratio` × the best + `ttft_tie_toleranc
 last served the request's `user` (a session), then by more cached tokens, then by rendezvous hashing
 of the prompt's first `affinity_blocks` blocks over the replica ids: with nothing cached anywhere yet
 (or not yet published), every router — one per ingress replica — independently sends prompts that
-start alike to the same replica, and different prompts spread evenly (no herding, no scatter).
+start alike to the same replica, and different prompts spread evenly (no herding, no scatter). For a
+request no replica is known to hold any of (cold), the band is `cold_tie_ratio` (wider): only load
+and the replicas' step-cost fits tell them apart then, two routers see those at different moments,
+and with a narrow band a small change in between (a fit moving after one slow step) sends the next
+turn of a chat, routed by another ingress replica before the first turn's blocks are published, to
+a different replica than the first. A real queue (a prompt ahead) still costs more than the band.
 
 Each decision has a reason (metrics): `cache_hit` (sent where its prefix is cached), `spill`
 (another replica held more of its prefix but was slower), `load` (no replica held any of it),
@@ -141,8 +146,9 @@ def rank_by_ttft(candidates: Sequence[PrefixCandidate], settings: KVRouterSettin
     ordered = sorted(candidates, key=key)
     best = cost[ordered[0].view.replica_id]
     best_room = ordered[0].has_room or not some_room
+    ratio = settings.ttft_tie_ratio if most_cached > 0 else settings.cold_tie_ratio
     tied = [c for c in ordered if (c.has_room or not some_room) == best_room
-            and cost[c.view.replica_id] <= best * (1 + settings.ttft_tie_ratio) + settings.ttft_tie_tolerance_s]
+            and cost[c.view.replica_id] <= best * (1 + ratio) + settings.ttft_tie_tolerance_s]
     tied.sort(key=lambda c: (c.view.replica_id != sticky_replica, -c.cached_tokens, noise.get(c.view.replica_id, 0.0)))
     ordered = tied + [c for c in ordered if c not in tied]
     chosen = ordered[0]

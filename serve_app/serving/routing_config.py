@@ -57,6 +57,7 @@ class KVRouterSettings:
     max_occupancy: float = 1.0  # a projection above this forces preemption: only if no replica has room
     ttft_tie_tolerance_s: float = 0.01  # predicted TTFTs within ratio × best + this are ties (user, cached, affinity)
     ttft_tie_ratio: float = 0.1
+    cold_tie_ratio: float = 0.5  # the same for a request no replica is known to hold any of (prefix_policy)
     # seconds of prefill a replica would spend recomputing prefix blocks another replica holds count
     # this many times against it (the work is taken from the requests queued behind it, and the copy
     # evicts other prefixes there): 0 ranks by this request's predicted TTFT alone
@@ -69,7 +70,7 @@ class KVRouterSettings:
         require(isinstance(self.block_size, int) and self.block_size >= 1, "block_size", "must be an integer >= 1")
         for name in ("prompt_weight", "output_weight", "waiting_weight", "prefill_weight", "tie_tolerance", "sample_lag_s",
                      "max_stats_age_s", "default_prefill_s_per_token", "default_decode_s_per_token", "default_step_fixed_s",
-                     "ttft_tie_tolerance_s", "ttft_tie_ratio", "recompute_weight"):
+                     "ttft_tie_tolerance_s", "ttft_tie_ratio", "cold_tie_ratio", "recompute_weight"):
             value = getattr(self, name)
             require(isinstance(value, int | float) and value >= 0 and math.isfinite(value), name, "must be a finite number >= 0")
         require(isinstance(self.max_expected_output_tokens, int) and self.max_expected_output_tokens >= 0,

@@ -344,3 +344,40 @@ def test_recomputing_a_prefix_held_elsewhere_counts_against_the_cold_replica():
             assert ttft["b"] < ttft["a"]
 
     run(main())
+
+
+def test_two_routers_seeing_different_cost_fits_still_send_a_new_prefix_to_one_replica():
+    """Router 2 decides from a sample taken at another moment than router 1's: the replica router 1
+    chose now publishes a 30% slower step-cost fit and, as far as router 2 knows, holds nothing of the
+    prompt. A cold request is a tie within `cold_tie_ratio`, so router 2 follows the same affinity
+    and the group (or a chat's next turn) stays together; a prompt queued ahead is not a tie."""
+    async def main():
+        clock = Clock()
+        a, b = FakeReplica("a"), FakeReplica("b")
+        ea, eb = Engine(a), Engine(b)
+        ea.publish(clock)
+        eb.publish(clock)
+        first, second = (make_router(PrefixAwareRouter, clock, [a, b], seed=s, block_size=BLOCK_SIZE) for s in (1, 2))
+        chosen_by_first = set()
+        for g in range(8):
+            prefix = list(range(20_000 + 64 * g, 20_064 + 64 * g))
+            clock.now += 2  # fresh samples, equal fits: each group starts on idle replicas
+            ea.publish(clock)
+            eb.publish(clock)
+            chosen = await route(first, [a, b], pending(ask(f"t{g}-1", 1, prefix=prefix)))
+            chosen_by_first.add(chosen.name)
+            chosen.routing_stats.update(prefill_s_per_token=1.3 * COST["prefill_s_per_token"],
+                                        step_fixed_s=1.3 * COST["step_fixed_s"])
+            assert (await route(second, [a, b], pending(ask(f"t{g}-2", 2, prefix=prefix)))) is chosen, g
+            assert second.num_decisions["cache_hit"] == 0  # cold for router 2: the tie band decided
+        assert chosen_by_first == {"a", "b"}  # affinity, not the fits, placed the groups
+        # a prompt queued ahead on the affinity replica is a real cost: the cold request goes elsewhere
+        prefix = list(range(30_000, 30_064))
+        favoured = (await route(make_router(PrefixAwareRouter, clock, [a, b], seed=3, block_size=BLOCK_SIZE), [a, b],
+                                pending(ask("probe", 1, prefix=prefix))))
+        other = b if favoured is a else a
+        (ea if favoured is a else eb).publish(clock, unread=400, running=8)
+        (eb if favoured is a else ea).publish(clock)
+        assert (await route(second, [a, b], pending(ask("queued", 1, prefix=prefix)))) is other
+
+    run(main())
