@@ -1,0 +1,47 @@
+"""The engine-placement benchmark: the engine in a process of its own streams what the engine thread
+streams (same text, in order, every stream ends), and the summary pairs each repeat's runs."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from loadtest import bench_engine_process
+from loadtest.bench_engine import make_prompts
+from loadtest.bench_engine_process import ProcessEngine, ThreadEngine, summarize
+from tests.serving.conftest import MODEL_DIR
+
+
+@pytest.mark.heavy
+def test_the_engine_in_its_own_process_streams_what_the_engine_thread_streams():
+    prompts = make_prompts(3, 24, 49152, 100, seed=5)
+    kwargs = {"dtype": "bfloat16", "max_num_seqs": 8, "kv_cache_memory_gib": 0.1}
+
+    def texts(engine) -> list[str]:
+        async def main():
+            return await asyncio.gather(*(engine.stream(p, 6) for p in prompts))
+
+        try:
+            streams = asyncio.run(main())
+        finally:
+            engine.close()
+        assert [s.tokens for s in streams] == [6, 6, 6] and all(s.end is not None for s in streams)
+        return ["".join(s.text) for s in streams]
+
+    process = ProcessEngine(str(MODEL_DIR), kwargs)
+    assert texts(process) == texts(ThreadEngine(str(MODEL_DIR), kwargs))
+    assert not process.process.is_alive()  # `close` ends the child
+
+
+def test_summary_pairs_runs_by_repeat():
+    runs = [{"variant": v, "repeat": r, "output_tok_s": tok_s, "cpu_ms_per_token": 4.0, "ttft_p50_s": 1.0, "itl_p50_s": 0.05,
+             "lone_ttft_p50_s": None if v == "offline" else 0.1}
+            for r, rates in enumerate([(400, 300, 200), (440, 330, 330)]) for v, tok_s in zip(bench_engine_process.VARIANTS, rates, strict=True)]
+    results = {"runs": runs, "workload": {"config": "c", "engine": {}, "omp_wait_policy": "passive", "repeats": 2, "concurrency": 32,
+                                          "prompt_len": 128, "output_len": 64, "ttft_requests": 8}}
+    body = "\n".join(summarize(results))
+    assert results["ratios"]["thread ÷ offline"]["median"] == pytest.approx(0.75)
+    assert results["ratios"]["process ÷ thread"] == {"median": pytest.approx((200 / 300 + 1.0) / 2), "min": pytest.approx(200 / 300),
+                                                     "max": 1.0, "n": 2}
+    assert results["summary"]["offline"]["lone_ttft_p50_s"] is None and "| 420.0 (400.0–440.0) |" in body
