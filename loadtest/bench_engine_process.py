@@ -34,6 +34,7 @@ from loadtest import machine, report, server
 from loadtest.bench_engine import make_prompts
 from loadtest.client import Stream, burst
 from loadtest.stats import interleaved, paired_ratios, percentile, spread
+from serve_app.serving.config import OMP_WAIT_POLICIES
 from serve_app.types import GenerateRequest, SamplingParams
 
 VARIANTS = ("offline", "thread", "process")
@@ -186,33 +187,47 @@ def run_one(variant: str, opts: argparse.Namespace) -> dict[str, Any]:
 
 
 # ---- the comparison -----------------------------------------------------------------------------------
+def omp_env(setting: str) -> dict[str, str]:
+    """'POLICY[:SPINS]' → OMP_WAIT_POLICY (none for `default`) and GOMP_SPINCOUNT (none without SPINS)."""
+    policy, _, spins = setting.partition(":")
+    if policy not in OMP_WAIT_POLICIES or (spins and not spins.isdigit()):
+        raise ValueError(f"OpenMP setting {setting!r}: POLICY[:SPINS], POLICY one of {OMP_WAIT_POLICIES}")
+    return {**({"OMP_WAIT_POLICY": policy.upper()} if policy != "default" else {}), **({"GOMP_SPINCOUNT": spins} if spins else {})}
+
+
 def summarize(results: dict[str, Any]) -> list[str]:
-    runs = results["runs"]
-    by = {v: [r for r in runs if r["variant"] == v] for v in VARIANTS}
-    per_repeat = {v: {r["repeat"]: r["output_tok_s"] for r in by[v]} for v in VARIANTS}
-    rows = []
-    for v in VARIANTS:
-        s = {k: spread(r[k] for r in by[v] if r.get(k) is not None) for k in ("output_tok_s", "cpu_ms_per_token", "ttft_p50_s",
-                                                                            "itl_p50_s", "lone_ttft_p50_s")}
-        results.setdefault("summary", {})[v] = s
-        rows.append([LABELS[v], report.cell(s["output_tok_s"]), report.cell(s["cpu_ms_per_token"], digits=2),
-                     report.cell(s["ttft_p50_s"], 1000, 0), report.cell(s["itl_p50_s"], 1000), report.cell(s["lone_ttft_p50_s"], 1000)])
-    ratios = {f"{a} ÷ {b}": spread(paired_ratios(per_repeat, a, b)) for a, b in (("thread", "offline"), ("process", "offline"),
-                                                                                 ("process", "thread"))}
-    results["ratios"] = ratios
-    c, w = results["workload"]["concurrency"], results["workload"]
-    return [f"Engine options (from {w['config']}): `{json.dumps(w['engine'])}`; OMP_WAIT_POLICY={w['omp_wait_policy']}. "
-            f"{c} streams at once of {w['prompt_len']} random prompt tokens and {w['output_len']} output tokens, greedy; "
+    """Per OpenMP setting and variant: spreads over repeats, and tok/s ratios paired per repeat, into `results`."""
+    w = results["workload"]
+    rows, ratio_rows = [], []
+    for setting in w["omp_settings"]:
+        runs = [r for r in results["runs"] if r["omp"] == setting]
+        per_repeat = {v: {r["repeat"]: r["output_tok_s"] for r in runs if r["variant"] == v} for v in VARIANTS}
+        for v in VARIANTS:
+            s = {k: spread(r[k] for r in runs if r["variant"] == v and r.get(k) is not None)
+                 for k in ("output_tok_s", "cpu_ms_per_token", "ttft_p50_s", "itl_p50_s", "lone_ttft_p50_s")}
+            results.setdefault("summary", {}).setdefault(setting, {})[v] = s
+            rows.append([f"`{setting}`", LABELS[v], report.cell(s["output_tok_s"]), report.cell(s["cpu_ms_per_token"], digits=2),
+                         report.cell(s["ttft_p50_s"], 1000, 0), report.cell(s["itl_p50_s"], 1000), report.cell(s["lone_ttft_p50_s"], 1000)])
+        ratios = {f"{a} ÷ {b}": spread(paired_ratios(per_repeat, a, b)) for a, b in (("thread", "offline"), ("process", "offline"),
+                                                                                     ("process", "thread"))}
+        results.setdefault("ratios", {})[setting] = ratios
+        ratio_rows.append([f"`{setting}`", *(report.cell(r, digits=3) for r in ratios.values())])
+    return [f"Engine options (from {w['config']}): `{json.dumps(w['engine'])}`. OpenMP settings `POLICY[:SPINS]`: OMP_WAIT_POLICY "
+            "(passive: an idle thread sleeps at once; default: OpenMP's own, it spins a while) and GOMP_SPINCOUNT. "
+            f"{w['concurrency']} streams at once of {w['prompt_len']} random prompt tokens and {w['output_len']} output tokens, greedy; "
             f"lone TTFT: {w['ttft_requests']} requests one after another. Median (min–max) over {w['repeats']} repeats.", "",
-            *report.table(["where the step loop runs", "output tok/s", "CPU ms per output token", "TTFT p50 (ms)", "inter-token p50 (ms)",
-                           "lone TTFT p50 (ms)"], rows), "",
-            *report.table(["paired per repeat", "output tok/s ratio"], [[k, report.cell(v, digits=3)] for k, v in ratios.items()])]
+            *report.table(["OpenMP", "where the step loop runs", "output tok/s", "CPU ms per output token", "TTFT p50 (ms)",
+                           "inter-token p50 (ms)", "lone TTFT p50 (ms)"], rows), "",
+            "Output tok/s ratios, paired per repeat:", "",
+            *report.table(["OpenMP", "thread ÷ batch API", "own process ÷ batch API", "own process ÷ thread"], ratio_rows)]
 
 
 def parse_args() -> argparse.Namespace:
     parser = report.Parser(__doc__, "build/bench-engine-process-quick", repeats=1, output_len=16, ttft_requests=2)
-    parser.options({"config": "Serve YAML whose first application's engine options are used"},
-                   config="configs/local.yaml", repeats=3, concurrency=32, prompt_len=128, output_len=64, ttft_requests=8)
+    parser.options({"config": "Serve YAML whose first application's engine options are used",
+                    "omp_settings": "OpenMP settings, each POLICY[:SPINS] (OMP_WAIT_POLICY, GOMP_SPINCOUNT)"},
+                   config="configs/local.yaml", repeats=3, concurrency=32, prompt_len=128, output_len=64, ttft_requests=8,
+                   omp_settings=["passive", "default", "passive:3000"])
     parser.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)  # one run, in a child process
     parser.add_argument("--repeat", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--json", help=argparse.SUPPRESS)
@@ -225,27 +240,29 @@ def main() -> None:
         Path(opts.json).write_text(json.dumps(run_one(opts.variant, opts)))
         return
     log, args = report.logger("engine-process"), server.config_args(opts.config)
-    omp = args.get("omp_wait_policy", "passive")
-    env = {**os.environ, **({"OMP_WAIT_POLICY": omp.upper()} if omp != "default" else {})}
+    envs = {setting: omp_env(setting) for setting in opts.omp_settings}  # (a bad setting fails before anything runs)
+    base = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     results = {**report.start("bench_engine_process"), "runs": [],
-               "workload": {"config": opts.config, "engine": args.get("engine", {}), "omp_wait_policy": omp, "repeats": opts.repeats,
+               "workload": {"config": opts.config, "engine": args.get("engine", {}), "omp_settings": opts.omp_settings, "repeats": opts.repeats,
                             "concurrency": opts.concurrency, "prompt_len": opts.prompt_len, "output_len": opts.output_len,
                             "ttft_requests": opts.ttft_requests}}
     passthrough = ["--config", opts.config, "--concurrency", str(opts.concurrency), "--prompt-len", str(opts.prompt_len),
                    "--output-len", str(opts.output_len), "--ttft-requests", str(opts.ttft_requests)]
+    points = [(setting, variant) for setting in opts.omp_settings for variant in VARIANTS]
     with tempfile.TemporaryDirectory() as tmp:
         for repeat in range(opts.repeats):
-            for variant in interleaved(VARIANTS, repeat):
-                log(f"repeat {repeat + 1}/{opts.repeats}: {variant} (load average {machine.load_average()[0]:.2f})")
-                out = Path(tmp) / f"{variant}-{repeat}.json"
+            for setting, variant in interleaved(points, repeat):
+                log(f"repeat {repeat + 1}/{opts.repeats}: {variant}, OpenMP {setting} (load average {machine.load_average()[0]:.2f})")
+                out = Path(tmp) / "run.json"
                 subprocess.run([sys.executable, "-m", "loadtest.bench_engine_process", "--variant", variant, "--repeat", str(repeat),
-                                "--json", str(out), *passthrough], check=True, env=env)
-                run = {"variant": variant, "repeat": repeat, **json.loads(out.read_text())}
+                                "--json", str(out), *passthrough], check=True, env={**base, **envs[setting]})
+                run = {"omp": setting, "variant": variant, "repeat": repeat, **json.loads(out.read_text())}
                 results["runs"].append(run)
                 log(f"  {run['output_tok_s']:.1f} tok/s, {run['cpu_ms_per_token']:.2f} CPU ms/token")
     body = summarize(results)
     plots = {"engine-process": report.bars("Where the step loop runs: output tok/s", "tok/s",
-                                           {v: {"output tok/s": results["summary"][v]["output_tok_s"]} for v in VARIANTS})}
+                                           {LABELS[v].split(" (")[0]: {s: results["summary"][s][v]["output_tok_s"] for s in opts.omp_settings}
+                                            for v in VARIANTS})}
     for path in report.write(results, opts.out_dir, "engine-process", "The engine's step loop: a thread, a process of its own, or no server",
                              body, plots):
         log(f"wrote {path}")

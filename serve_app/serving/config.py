@@ -49,7 +49,11 @@ class ServeConfig:
     process and its children, set when the process starts: `passive` (the default) puts an idle
     OpenMP thread to sleep at once, so it leaves its core to the serving processes and to the other
     replicas' engines instead of spinning on it; `active` spins; `default` leaves OpenMP's own choice
-    (spin a while, then sleep). The API key is never part of the config (which Serve keeps in its
+    (spin a while, then sleep). `omp_spin_count` ≥ 0 sets how many times an idle OpenMP thread
+    spins before it sleeps (libgomp's GOMP_SPINCOUNT, in the replica's environment from the start
+    like the policy; about 100 spins a microsecond): a short spin catches the next parallel region
+    of the same step, which sleeping (`passive`) would pay a wake-up for, and still gives the core
+    away between steps. The API key is never part of the config (which Serve keeps in its
     controller state and shows on its dashboard): each ingress replica reads it from the environment
     variable named by `api_key_env` (default `SERVE_APP_API_KEY`, tenant `default`) in its own
     process, and/or one key per tenant from `api_keys_file` (a `tenant: key` file, or a directory
@@ -106,6 +110,7 @@ class ServeConfig:
     num_gpus_per_replica: float = 0.0
     torch_num_threads: int = 0
     omp_wait_policy: str = "passive"  # passive | active | default (OpenMP's own): see the docstring
+    omp_spin_count: int = -1  # spins before an idle OpenMP thread sleeps (GOMP_SPINCOUNT); -1: OpenMP's own
     max_ongoing_requests: int = 64
     max_queued_requests: int = 128
     request_routing_stats_period_s: float = 0.5
@@ -177,6 +182,8 @@ class ServeConfig:
             require(getattr(self, name) > 0, name, "must be > 0")
         require(self.torch_num_threads >= 0, "torch_num_threads", "must be >= 0 (0: all cores)")
         require(self.omp_wait_policy in OMP_WAIT_POLICIES, "omp_wait_policy", f"must be one of {OMP_WAIT_POLICIES}")
+        require(isinstance(self.omp_spin_count, int) and self.omp_spin_count >= -1, "omp_spin_count",
+                "must be an integer >= 0, or -1 for OpenMP's own")
         require(self.max_request_bytes >= 1024, "max_request_bytes", "must be >= 1024")
         require(self.replica_failure_retries >= 0, "replica_failure_retries", "must be >= 0")
         require(self.retry_after_s >= 0, "retry_after_s", "must be >= 0")

@@ -23,9 +23,13 @@ def replica_placement(config: ServeConfig) -> dict[str, Any]:
     """Keyword arguments for `LLMServer.options(...)`: `ray_actor_options` and, for a multi-rank
     engine, `placement_group_bundles` and `placement_group_strategy`."""
     actor: dict[str, Any] = {"num_cpus": config.num_cpus_per_replica}
-    if config.backend_config.device == "cpu" and config.omp_wait_policy != "default":
-        # OpenMP reads it once, when torch first loads it: it must be in the process's environment from the start
-        actor["runtime_env"] = {"env_vars": {"OMP_WAIT_POLICY": config.omp_wait_policy.upper()}}
+    if config.backend_config.device == "cpu":
+        # OpenMP reads these once, when torch first loads it: they must be in the process's environment from the start
+        env = {"OMP_WAIT_POLICY": config.omp_wait_policy.upper()} if config.omp_wait_policy != "default" else {}
+        if config.omp_spin_count >= 0:
+            env["GOMP_SPINCOUNT"] = str(config.omp_spin_count)
+        if env:
+            actor["runtime_env"] = {"env_vars": env}
     ranks = config.backend_config.world_size
     if ranks == 1:
         if config.num_gpus_per_replica:

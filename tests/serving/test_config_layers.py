@@ -78,6 +78,7 @@ def test_each_layer_is_validated_once_and_handed_down_as_an_object(monkeypatch, 
     ({"backend": "nowhere:Backend"}, "backend: cannot import 'nowhere:Backend'"),
     ({"ingress_num_replicas": 0}, "ingress_num_replicas: must be an integer >= 1"),
     ({"omp_wait_policy": "PASSIVE"}, "omp_wait_policy: must be one of ('passive', 'active', 'default')"),
+    ({"omp_spin_count": -2}, "omp_spin_count: must be an integer >= 0, or -1 for OpenMP's own"),
 ])
 def test_a_bad_field_is_rejected_at_load_naming_its_path(tmp_path, args, message):
     """Every layer's mistake surfaces when the YAML's `args` are loaded (before any deployment is
@@ -134,14 +135,17 @@ def test_every_layer_config_loads_and_unpickles_without_torch():
         "torch": False, "options": ["EngineConfig", "VLLMOptions"], "routers": ["KVRouterSettings", "KVRouterSettings"]}
 
 
-@pytest.mark.parametrize(("policy", "device", "env"), [
-    ("passive", "cpu", {"OMP_WAIT_POLICY": "PASSIVE"}), ("active", "cpu", {"OMP_WAIT_POLICY": "ACTIVE"}),
-    ("default", "cpu", None), ("passive", "cuda", None),
+@pytest.mark.parametrize(("policy", "spins", "device", "env"), [
+    ("passive", -1, "cpu", {"OMP_WAIT_POLICY": "PASSIVE"}), ("active", -1, "cpu", {"OMP_WAIT_POLICY": "ACTIVE"}),
+    ("default", -1, "cpu", None), ("passive", -1, "cuda", None),
+    ("passive", 3000, "cpu", {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "3000"}),
+    ("default", 0, "cpu", {"GOMP_SPINCOUNT": "0"}), ("passive", 3000, "cuda", None),
 ])
-def test_a_cpu_replica_starts_with_the_openmp_wait_policy(policy, device, env):
-    """OpenMP reads OMP_WAIT_POLICY once, when it loads: the replica's actor must start with it in its
-    environment (a runtime_env), not set it later; `default` and GPU replicas leave it alone."""
-    config = ServeConfig(model="models/x", omp_wait_policy=policy, engine={"device": device})
+def test_a_cpu_replica_starts_with_the_openmp_wait_policy(policy, spins, device, env):
+    """OpenMP reads OMP_WAIT_POLICY and GOMP_SPINCOUNT once, when it loads: the replica's actor must
+    start with them in its environment (a runtime_env), not set them later; `default`, -1 and GPU
+    replicas leave them alone."""
+    config = ServeConfig(model="models/x", omp_wait_policy=policy, omp_spin_count=spins, engine={"device": device})
     options = replica_placement(config)["ray_actor_options"]
     assert options.get("runtime_env", {}).get("env_vars") == env
 
