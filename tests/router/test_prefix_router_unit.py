@@ -235,14 +235,20 @@ def test_confirmed_ledger_entries_expire_when_their_completion_is_lost():
     run(main())
 
 
+def two_routers(clock: Clock):
+    """Two idle replicas that have published a sample, and two routers over them (one per ingress replica)."""
+    a, b = FakeReplica("a"), FakeReplica("b")
+    ea, eb = Engine(a), Engine(b)
+    ea.publish(clock)
+    eb.publish(clock)
+    routers = [make_router(PrefixAwareRouter, clock, [a, b], seed=s, block_size=BLOCK_SIZE) for s in (1, 2)]
+    return routers, a, b, ea, eb
+
+
 def test_two_routers_sharing_the_samples_do_not_herd():
     async def main():
         clock = Clock()
-        a, b = FakeReplica("a"), FakeReplica("b")
-        ea, eb = Engine(a), Engine(b)
-        ea.publish(clock)
-        eb.publish(clock)
-        routers = [make_router(PrefixAwareRouter, clock, [a, b], seed=s, block_size=BLOCK_SIZE) for s in (1, 2)]
+        routers, a, b, ea, eb = two_routers(clock)
         counts = {"a": 0, "b": 0}
         for i in range(20):  # distinct prompts, alternating routers, no new sample in between
             chosen = await route(routers[i % 2], [a, b], pending(ask(f"d{i}", i, prefix=list(range(3000 + 64 * i, 3064 + 64 * i)))))
@@ -353,11 +359,7 @@ def test_two_routers_seeing_different_cost_fits_still_send_a_new_prefix_to_one_r
     and the group (or a chat's next turn) stays together; a prompt queued ahead is not a tie."""
     async def main():
         clock = Clock()
-        a, b = FakeReplica("a"), FakeReplica("b")
-        ea, eb = Engine(a), Engine(b)
-        ea.publish(clock)
-        eb.publish(clock)
-        first, second = (make_router(PrefixAwareRouter, clock, [a, b], seed=s, block_size=BLOCK_SIZE) for s in (1, 2))
+        (first, second), a, b, ea, eb = two_routers(clock)
         chosen_by_first = set()
         for g in range(8):
             prefix = list(range(20_000 + 64 * g, 20_064 + 64 * g))
