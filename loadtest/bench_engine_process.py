@@ -1,6 +1,6 @@
 """Where the engine's step loop runs beside a server's event loop, measured: in a thread of the serving
 process (`AsyncLLMEngine`, what an LLMServer replica does), or in a process of its own fed over a local
-socket (the engine-core split of vLLM V1: requests in and each step's token deltas out as msgpack frames),
+socket (`ProcessLLMEngine`, the engine-core split of vLLM V1: requests in and each step's deltas out as frames),
 against the engine's own batch API (`LLM.generate`) on the same prompts. The two streaming variants share
 one consumer, which does per delta what a server does (an OpenAI chunk encoded as JSON), so the serving
 loop's own CPU is in the comparison.
@@ -19,7 +19,6 @@ import argparse
 import asyncio
 import itertools
 import json
-import multiprocessing
 import os
 import subprocess
 import sys
@@ -27,8 +26,6 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
-
-import msgpack
 
 from loadtest import machine, report, server
 from loadtest.bench_engine import make_prompts
@@ -39,7 +36,7 @@ from serve_app.types import GenerateRequest, SamplingParams
 
 VARIANTS = ("offline", "thread", "process")
 LABELS = {"offline": "batch API (`LLM.generate`), no server", "thread": "engine thread in the serving process (`AsyncLLMEngine`)",
-          "process": "engine in a process of its own (socket + msgpack)"}
+          "process": "engine in a process of its own (`ProcessLLMEngine`)"}
 
 
 def chunk(request_id: str, text: str) -> bytes:
@@ -52,18 +49,26 @@ def params(max_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
 
-# ---- engine in a thread of this process ---------------------------------------------------------------
-class ThreadEngine:
-    def __init__(self, model: str, engine_kwargs: dict[str, Any]) -> None:
-        import torch
+# ---- the engine behind this process's event loop ------------------------------------------------------
+class StreamingEngine:
+    """An engine front end (`AsyncLLMEngine`: a thread; `ProcessLLMEngine`: a child process) and what a
+    server does with each delta."""
 
-        from serve_app.engine.async_engine import AsyncLLMEngine
+    def __init__(self, variant: str, model: str, engine_kwargs: dict[str, Any]) -> None:
+        if variant == "thread":
+            import torch
 
-        torch.set_num_threads(os.cpu_count() or 1)
-        self.engine, self._ids = AsyncLLMEngine.from_kwargs(model, **engine_kwargs), itertools.count()
+            from serve_app.engine.async_engine import AsyncLLMEngine as Engine
+
+            torch.set_num_threads(os.cpu_count() or 1)
+        else:
+            from serve_app.engine.process_engine import ProcessLLMEngine as Engine
+
+            os.environ["OMP_NUM_THREADS"] = str(os.cpu_count() or 1)  # (what a replica sets for its engine process)
+        self.engine, self._ids = Engine.from_kwargs(model, **engine_kwargs), itertools.count()
 
     async def stream(self, prompt: list[int], max_tokens: int) -> Stream:
-        s, rid = Stream(time.perf_counter()), f"t-{next(self._ids)}"
+        s, rid = Stream(time.perf_counter()), f"r-{next(self._ids)}"
         async for out in self.engine.generate(GenerateRequest(rid, prompt=prompt, sampling_params=params(max_tokens))):
             if out.token_ids:
                 chunk(rid, out.text)
@@ -75,79 +80,6 @@ class ThreadEngine:
 
     def close(self) -> None:
         self.engine.shutdown()
-
-
-# ---- engine in a process of its own -------------------------------------------------------------------
-def _engine_main(conn: Any, model: str, engine_kwargs: dict[str, Any]) -> None:
-    """The child: requests arrive as ["add", id, prompt ids, max_tokens] frames, each step's deltas leave as
-    one frame [[id, token ids, text, finished], ...]; ["stop"] ends it."""
-    import torch
-
-    from serve_app.engine.config import EngineConfig
-    from serve_app.engine.llm_engine import LLMEngine
-
-    torch.set_num_threads(os.cpu_count() or 1)
-    engine = LLMEngine(EngineConfig.from_kwargs(model, **engine_kwargs))
-    conn.send_bytes(msgpack.packb(["ready"]))
-    while True:
-        timeout = None if not engine.has_unfinished_requests() else 0
-        while conn.poll(timeout):
-            message = msgpack.unpackb(conn.recv_bytes())
-            if message[0] == "stop":
-                return
-            _, rid, prompt, max_tokens = message
-            engine.add_request(GenerateRequest(rid, prompt=prompt, sampling_params=params(max_tokens)))
-            timeout = 0
-        outputs = engine.step()
-        if outputs:
-            conn.send_bytes(msgpack.packb([[o.request_id, list(o.token_ids), o.text, o.finished] for o in outputs]))
-        elif (wait := engine.next_wakeup_s()) is not None:  # grouped admission holding prompts back
-            conn.poll(min(wait, 0.01))
-
-
-class ProcessEngine:
-    def __init__(self, model: str, engine_kwargs: dict[str, Any]) -> None:
-        context = multiprocessing.get_context("spawn")
-        self.conn, child = context.Pipe()
-        self.process = context.Process(target=_engine_main, args=(child, model, engine_kwargs), daemon=True)
-        self.process.start()
-        child.close()
-        assert msgpack.unpackb(self.conn.recv_bytes()) == ["ready"]
-        self._queues: dict[str, asyncio.Queue] = {}
-        self._ids = itertools.count()
-        self._reading = False
-
-    def _on_readable(self) -> None:
-        while self.conn.poll(0):
-            for rid, token_ids, text, finished in msgpack.unpackb(self.conn.recv_bytes()):
-                if (q := self._queues.get(rid)) is not None:
-                    q.put_nowait((token_ids, text, finished))
-
-    async def stream(self, prompt: list[int], max_tokens: int) -> Stream:
-        if not self._reading:
-            asyncio.get_running_loop().add_reader(self.conn.fileno(), self._on_readable)
-            self._reading = True
-        s, rid, q = Stream(time.perf_counter()), f"p-{next(self._ids)}", asyncio.Queue()
-        self._queues[rid] = q
-        self.conn.send_bytes(msgpack.packb(["add", rid, prompt, max_tokens]))
-        try:
-            while True:
-                token_ids, text, finished = await q.get()
-                if token_ids:
-                    chunk(rid, text)
-                    s.text.append(text)
-                    s.token_times.append(time.perf_counter())
-                    s.tokens += len(token_ids)
-                if finished:
-                    break
-        finally:
-            self._queues.pop(rid, None)
-        s.end = time.perf_counter()
-        return s
-
-    def close(self) -> None:
-        self.conn.send_bytes(msgpack.packb(["stop"]))
-        self.process.join(timeout=10)
 
 
 # ---- one run (a process of its own) -------------------------------------------------------------------
@@ -170,7 +102,7 @@ def run_one(variant: str, opts: argparse.Namespace) -> dict[str, Any]:
         tokens = sum(len(o.token_ids) for o in llm.generate(prompts, params(opts.output_len)))
         elapsed, cpu = time.perf_counter() - start, machine.cpu_s(machine.tree(os.getpid())) - cpu
         return {"output_tok_s": tokens / elapsed, "cpu_ms_per_token": 1000 * cpu / tokens}
-    engine = ThreadEngine(model, engine_kwargs) if variant == "thread" else ProcessEngine(model, engine_kwargs)
+    engine = StreamingEngine(variant, model, engine_kwargs)
     loop = asyncio.new_event_loop()
     try:
         loop.run_until_complete(burst(engine.stream, make_prompts(2, opts.prompt_len, vocab, 100, seed=99), 8))

@@ -278,6 +278,8 @@ def parse_args() -> argparse.Namespace:
     add("--real-batch", type=float, nargs="+", help="stream_batch_interval_s values, real engine (default: the config's)")
     add("--real-profiles", nargs="+", default=list(profiles), choices=profiles, help="as --null-profiles, real engine")
     add("--omp-wait-policies", nargs="+", choices=OMP_WAIT_POLICIES, help="real engine: omp_wait_policy values (default: the config's)")
+    add("--engine-process", nargs="+", choices=("off", "on"), help="real engine: core_process values, where each replica's engine "
+        "steps (on: in a process of its own; default: the config's)")
     add("--placements", nargs="+", default=["float"], choices=tuple(serving_path.PLACEMENTS),
         help="real engine: float (the OS places threads), pin (each LLMServer replica on a core of its own), bind (OMP_PROC_BIND=close)")
     add("--worker-niceness", type=int, nargs="+", default=[0], help="real engine: the niceness Ray starts its workers at (Ray's default: 15)")
@@ -315,14 +317,18 @@ def main() -> None:
             for profile, placement, niceness in itertools.product(real_here, opts.placements, opts.worker_niceness):
                 with server.ray_started("bench-serving", {**envs[profile], **serving_path.PLACEMENT_ENV.get(placement, {}),
                                                           WORKER_NICENESS_ENV: str(niceness)}):
-                    for (replicas, threads), mux, batch, omp in itertools.product(
+                    engine_process = [p == "on" for p in opts.engine_process] if opts.engine_process else [engine_kwargs.get("core_process", False)]
+                    for (replicas, threads), mux, batch, omp, core_process in itertools.product(
                             zip(opts.replicas, opts.replica_threads, strict=True), opts.real_mux,
-                            opts.real_batch or [args.get("stream_batch_interval_s", 0.0)], opts.omp_wait_policies or [args.get("omp_wait_policy", "passive")]):
+                            opts.real_batch or [args.get("stream_batch_interval_s", 0.0)], opts.omp_wait_policies or [args.get("omp_wait_policy", "passive")],
+                            engine_process):
                         variant_args = {**args, "num_replicas": replicas, "torch_num_threads": threads, "stream_multiplexing": mux == "on",
-                                        "stream_batch_interval_s": batch, "omp_wait_policy": omp}
+                                        "stream_batch_interval_s": batch, "omp_wait_policy": omp,
+                                        "engine": {**engine_kwargs, "core_process": core_process}}
                         variant = run_variant(direct, variant_args, opts, vocab, seed_base=100_000 * len(results["variants"]), pin=placement == "pin")
                         results["variants"].append({**variant, "torch_threads_per_replica": threads or os.cpu_count(), "profile": profile,
                                                     "batch_interval_s": batch, "placement": placement, "omp_wait_policy": omp,
+                                                    "core_process": core_process,
                                                     "worker_niceness": niceness})
         finally:
             direct.engine.shutdown()

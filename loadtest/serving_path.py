@@ -38,12 +38,14 @@ PLACEMENT_ENV = {"bind": {"OMP_PROC_BIND": "close", "OMP_PLACES": "cores"}}
 
 
 def label(variant: dict[str, Any]) -> str:
-    """A deployment variant ({"profile", "batch_interval_s", "multiplexed"[, "placement", "omp_wait_policy", "worker_niceness"]}) in words."""
+    """A deployment variant ({"profile", "batch_interval_s", "multiplexed"[, "placement", "omp_wait_policy", "worker_niceness",
+    "core_process"]}) in words."""
     batch = f"stream batching {1000 * variant['batch_interval_s']:g} ms" if variant["batch_interval_s"] else "no stream batching"
     omp = f", OpenMP wait policy {variant['omp_wait_policy']}" if variant.get("omp_wait_policy", "passive") != "passive" else ""
     nice = f", Ray's workers at niceness {variant['worker_niceness']}" if variant.get("worker_niceness") else ""
+    process = ", engine in a process of its own" if variant.get("core_process") else ""
     return (f"{HOPS[variant['profile']]}, {'streams multiplexed' if variant['multiplexed'] else 'one Serve item per delta'}, {batch}"
-            + PLACEMENTS[variant.get("placement", "float")] + omp + nice)
+            + PLACEMENTS[variant.get("placement", "float")] + omp + nice + process)
 
 
 def profile_env(profile: str) -> dict[str, str]:

@@ -327,3 +327,9 @@ class RequestOutput:
         n = len(prompt_token_ids)
         return cls(request_id, "", (), False, None, n, RequestMetrics(arrival_time=arrival_time, num_prompt_tokens=n),
                    tuple(prompt_token_ids))
+
+    @classmethod
+    def failed(cls, request_id: str, error: RequestFailedError) -> RequestOutput:
+        """The last item of a request one of whose stages failed (it was aborted alone)."""
+        now = time.monotonic()
+        return cls(request_id, "", (), True, FinishReason.ABORT, 0, RequestMetrics(arrival_time=now, finished_time=now), error=error)

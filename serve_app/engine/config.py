@@ -152,12 +152,17 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    # a server's engine (the native backend) steps in a process of its own (engine/process_engine.py)
+    # rather than in a thread beside the server's event loop; the offline `LLM` always steps in its caller
+    core_process: bool = False
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineConfig:
         """Build from flat keyword arguments: each name goes to the sub-config that has that field;
         `speculative` is a mapping of `SpeculativeConfig` fields."""
         speculative = SpeculativeConfig.from_value(kwargs.pop("speculative", None))
+        core_process = kwargs.pop("core_process", False)
+        require(isinstance(core_process, bool), "core_process", f"must be true or false, got {core_process!r}")
         parts: dict[type, dict[str, Any]] = {ModelConfig: {"model": model}, CacheConfig: {}, SchedulerConfig: {}}
         for key, value in kwargs.items():
             owner = next((c for c in parts if key in {f.name for f in fields(c)}), None)
@@ -165,7 +170,7 @@ class EngineConfig:
                 raise ValueError(f"{key}: not an engine option")
             parts[owner][key] = value
         return cls(ModelConfig(**parts[ModelConfig]), CacheConfig(**parts[CacheConfig]), SchedulerConfig(**parts[SchedulerConfig]),
-                   speculative)
+                   speculative, core_process)
 
     # ---- the backend options contract (serve_app.backends.registry): what the serving layer reads ----
     @property

@@ -6,6 +6,9 @@ reset) a *removed* event, each with the next sequence number. It also keeps the 
 now, for full snapshots, and the cached prompt tokens of recently finished requests (so routers can
 compare their prediction with what the engine found).
 
+An engine in a process of its own sends its log's changes to the replica (`KVEventCursor` there,
+`KVEventLog.replay` here), where a mirror log feeds the publisher.
+
 `KVCachePublisher` (replica side, called at each `record_routing_stats` poll) turns the log into a
 compact update, a plain dict merged into the routing stats:
 
@@ -35,6 +38,7 @@ from __future__ import annotations
 import threading
 import uuid
 from collections import deque
+from collections.abc import Iterable
 from typing import Any
 
 from serve_app.block_hash import BlockHash, block_key
@@ -72,6 +76,21 @@ class KVEventLog:
             self._num_finished += 1
             self._finished.append((self._num_finished, request_id, num_cached_tokens, num_prompt_tokens))
 
+    def replay(self, events: Iterable[tuple[int, int]], snapshot: Iterable[int] | None,
+               finished: Iterable[tuple[str, int, int]]) -> None:
+        """Mirror another log (an engine in a process of its own): `events` are its (stored, key)
+        changes in order; `snapshot`, when not None, every key it holds now (its events were dropped):
+        the difference becomes events here. `finished` are `request_finished` arguments."""
+        if snapshot is not None:
+            keys = set(snapshot)
+            with self._lock:
+                now = set(self._keys)
+            events = [(0, k) for k in sorted(now - keys)] + [(1, k) for k in sorted(keys - now)]
+        for stored, key in events:
+            self._add(stored, key)
+        for request_id, num_cached_tokens, num_prompt_tokens in finished:
+            self.request_finished(request_id, num_cached_tokens, num_prompt_tokens)
+
     @property
     def seq(self) -> int:
         return self._seq
@@ -99,6 +118,27 @@ class KVEventLog:
         after the `count`-th)."""
         with self._lock:
             return self._num_finished, [(rid, c, p) for n, rid, c, p in self._finished if n > count]
+
+
+class KVEventCursor:
+    """Reads a log's changes in order, to mirror them in another process's log (`KVEventLog.replay`)."""
+
+    def __init__(self, log: KVEventLog) -> None:
+        self.log = log
+        self._seq = 0
+        self._finished = 0
+
+    def take(self) -> tuple[list[tuple[int, int]], list[int] | None, list[tuple[str, int, int]]]:
+        """What changed since the previous call: ((stored, key) events, None, finished requests), or
+        ([], every key now, finished requests) when some events were dropped before this call."""
+        self._finished, finished = self.log.finished_since(self._finished)
+        events = self.log.events_since(self._seq)
+        if events is None:
+            self._seq, keys = self.log.snapshot()
+            return [], keys, finished
+        if events:
+            self._seq = events[-1][0]
+        return [(stored, key) for _, stored, key in events], None, finished
 
 
 class KVCachePublisher:

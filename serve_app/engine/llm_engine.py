@@ -10,7 +10,6 @@ the step's other requests go on. `fault_hook` (tests only, serve_app/faults.py) 
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable
 from typing import Protocol
 
@@ -103,9 +102,7 @@ class LLMEngine:
         """Abort requests whose processing failed outside the core (id → what went wrong): free what the
         core still holds of them, and end each one's stream with its error."""
         self._log(None, self.core.fail_requests(details, stage))  # (output processor state is gone already)
-        now = time.monotonic()
-        return [RequestOutput(rid, "", (), True, FinishReason.ABORT, 0, RequestMetrics(arrival_time=now, finished_time=now),
-                              error=RequestFailedError(f"{stage} failed: {detail}", stage)) for rid, detail in details.items()]
+        return [RequestOutput.failed(rid, RequestFailedError(f"{stage} failed: {detail}", stage)) for rid, detail in details.items()]
 
     def _finish(self, outputs: list[EngineCoreOutput]) -> list[RequestOutput]:
         self._log(None, outputs)

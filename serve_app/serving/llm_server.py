@@ -78,17 +78,20 @@ def import_attr(path: str) -> Any:
     return getattr(importlib.import_module(module), attr)
 
 
-def configure_torch_threads(num_threads: int) -> int:
-    """Give torch `num_threads` intra-op threads (0: every core of the machine).
+def configure_torch_threads(num_threads: int, in_this_process: bool = True) -> int:
+    """Give torch `num_threads` intra-op threads (0: every core of the machine): torch in this process
+    (unless `in_this_process` is False: the engine steps in a process of its own, which reads
+    OMP_NUM_THREADS, and this one never loads torch).
 
     Ray sets OMP_NUM_THREADS=1 for actors with fractional CPUs, which would leave a CPU replica on a
     single core; the deployment's `num_cpus` is a scheduling hint, not a thread budget.
     """
-    import torch
-
     n = num_threads or os.cpu_count() or 1
-    torch.set_num_threads(n)
-    os.environ["OMP_NUM_THREADS"] = str(n)  # for anything that reads it later (e.g. the kernel build)
+    os.environ["OMP_NUM_THREADS"] = str(n)  # for anything that reads it later (an engine process, the kernel build)
+    if in_this_process:
+        import torch
+
+        torch.set_num_threads(n)
     return n
 
 
@@ -133,7 +136,8 @@ class LLMServer:
     async def __init__(self, config: ServeConfig) -> None:
         self.config = config
         if config.backend_config.device == "cpu":
-            threads = configure_torch_threads(config.torch_num_threads)
+            threads = configure_torch_threads(config.torch_num_threads,
+                                              not getattr(config.backend_config.options, "core_process", False))
         else:
             threads = 0
         # engine metrics on Ray's metrics port (ray_llm_*, names in serve_app.metrics.names), plus any extras

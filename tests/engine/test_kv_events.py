@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from serve_app.block_hash import block_key, prefix_block_hashes
 from serve_app.engine.block_manager import BlockManager
 from serve_app.engine.config import SchedulerConfig
-from serve_app.engine.kv_events import KVCachePublisher, KVEventLog
+from serve_app.engine.kv_events import KVCachePublisher, KVEventCursor, KVEventLog
 from serve_app.engine.request import Request
 from serve_app.engine.scheduler import Scheduler
 from serve_app.serving.prefix_index import PrefixIndex
@@ -131,3 +131,36 @@ def test_a_small_cache_is_always_published_whole():
         update = publisher.next_update()
         # up to 8 cached blocks every update is a full snapshot (a router that just joined needs no resync)
         assert ("kv_snapshot" in update) == (n <= 8 or (n - 1) % 10 == 0), n
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), num_blocks=st.integers(8, 32), take_every=st.integers(1, 80))
+def test_a_mirror_fed_by_a_cursor_holds_the_source_logs_keys(seed, num_blocks, take_every):
+    """An engine in a process of its own: its log's changes, taken at any pace (so the source's 64-event
+    ring overflows between some takes), rebuild the same cached set and finished requests in a mirror log
+    in the parent, and the parent's publisher (polled after every take) keeps a router's index equal to the cache."""
+    rng = random.Random(seed)
+    scheduler, bm, log = make(num_blocks)
+    cursor, mirror, index = KVEventCursor(log), KVEventLog(), PrefixIndex()
+    publisher = KVCachePublisher(mirror, BLOCK, small_snapshot_keys=0)
+    finished: list[tuple[str, int, int]] = []
+    shared = [rng.randrange(1, 50) for _ in range(3 * BLOCK)]
+    for i in range(40):
+        prompt = shared[: rng.randrange(BLOCK, 3 * BLOCK)] + [rng.randrange(1, 50) for _ in range(rng.randrange(0, 2 * BLOCK))]
+        scheduler.add_request(Request(f"r{i}", prompt, SamplingParams(max_tokens=rng.randrange(1, 8)), None, 0.0))
+        log.request_finished(f"r{i}", i, len(prompt))
+        for _ in range(rng.randrange(1, 6)):
+            out = scheduler.schedule()
+            if not out.is_empty:
+                scheduler.update_from_output(out, fake_run(out))
+            if rng.randrange(take_every) == 0:
+                events, snapshot, done = cursor.take()
+                mirror.replay(events, snapshot, done)
+                finished += done
+                assert set(mirror.snapshot()[1]) == cached_keys(bm)
+                index.apply("r", publisher.next_update())
+    mirror.replay(*cursor.take())
+    index.apply("r", publisher.next_update())
+    assert set(mirror.snapshot()[1]) == cached_keys(bm)
+    assert mirror.finished_since(0)[1] == log.finished_since(0)[1]
+    assert index.views["r"].synced and set(index.views["r"].keys) == cached_keys(bm)

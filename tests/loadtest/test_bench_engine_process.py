@@ -4,12 +4,13 @@ streams (same text, in order, every stream ends), and the summary pairs each rep
 from __future__ import annotations
 
 import asyncio
+import os
 
 import pytest
 
 from loadtest import bench_engine_process
 from loadtest.bench_engine import make_prompts
-from loadtest.bench_engine_process import ProcessEngine, ThreadEngine, omp_env, summarize
+from loadtest.bench_engine_process import StreamingEngine, omp_env, summarize
 from tests.serving.conftest import MODEL_DIR
 
 
@@ -29,9 +30,10 @@ def test_the_engine_in_its_own_process_streams_what_the_engine_thread_streams():
         assert [s.tokens for s in streams] == [6, 6, 6] and all(s.end is not None for s in streams)
         return ["".join(s.text) for s in streams]
 
-    process = ProcessEngine(str(MODEL_DIR), kwargs)
-    assert texts(process) == texts(ThreadEngine(str(MODEL_DIR), kwargs))
-    assert not process.process.is_alive()  # `close` ends the child
+    process = StreamingEngine("process", str(MODEL_DIR), kwargs)
+    assert texts(process) == texts(StreamingEngine("thread", str(MODEL_DIR), kwargs))
+    with pytest.raises(ProcessLookupError):  # `close` ended the child (and reaped it)
+        os.kill(process.engine.pid, 0)
 
 
 def test_summary_pairs_runs_by_repeat_within_each_openmp_setting():

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
+import signal
 import time
 
 import pytest
@@ -21,8 +22,9 @@ pytestmark = pytest.mark.heavy  # the real model behind the backend and the repl
 NUM_BLOCKS = 64
 
 
-def config(model_dir: str, **kwargs) -> ServeConfig:
-    return ServeConfig(model=model_dir, engine={"dtype": "float32", "num_blocks": NUM_BLOCKS, "max_num_seqs": 8}, **kwargs)
+def config(model_dir: str, core_process: bool = False, **kwargs) -> ServeConfig:
+    engine = {"dtype": "float32", "num_blocks": NUM_BLOCKS, "max_num_seqs": 8, "core_process": core_process}
+    return ServeConfig(model=model_dir, engine=engine, **kwargs)
 
 
 async def collect(backend, request):
@@ -34,9 +36,10 @@ def load(stats):
     return dataclasses.replace(stats, step_fixed_s=0.0, prefill_s_per_token=0.0, decode_s_per_token=0.0)
 
 
-def test_backend_streams_deltas_and_reports_load(model_dir):
+@pytest.mark.parametrize("core_process", [False, True], ids=["engine-thread", "engine-process"])
+def test_backend_streams_deltas_and_reports_load(model_dir, core_process):
     async def main():
-        backend = make_backend(config(model_dir).backend_config)
+        backend = make_backend(config(model_dir, core_process).backend_config)
         assert isinstance(backend, NativeBackend)
         await backend.start()
         try:
@@ -100,17 +103,21 @@ def test_backend_streams_deltas_and_reports_load(model_dir):
 
 
 @pytest.mark.cluster  # the replica class reads Ray's runtime context: that starts a local Ray
-def test_llm_server_replica_health_and_engine_death(model_dir):
-    """The replica class as Serve drives it: stats, chunks, then a dying engine loop fails requests
-    with BackendDeadError and makes check_health raise (so Serve replaces the replica)."""
+@pytest.mark.parametrize("core_process", [False, True], ids=["engine-thread", "engine-process"])
+def test_llm_server_replica_health_and_engine_death(model_dir, core_process):
+    """The replica class as Serve drives it: stats, chunks, then a dying engine loop (or a killed
+    engine process) fails requests with BackendDeadError and makes check_health raise (so Serve
+    replaces the replica)."""
 
     async def main():
         cls = LLMServer.func_or_class
         server = cls.__new__(cls)
-        await server.__init__(config(model_dir, torch_num_threads=0))
+        await server.__init__(config(model_dir, core_process, torch_num_threads=0))
         import torch
 
-        assert torch.get_num_threads() == os.cpu_count()
+        assert os.environ["OMP_NUM_THREADS"] == str(os.cpu_count())  # what an engine process reads
+        if not core_process:
+            assert torch.get_num_threads() == os.cpu_count()
         try:
             stats = server.record_routing_stats()
             assert stats["num_free_blocks"] == stats["num_total_blocks"] == NUM_BLOCKS
@@ -130,13 +137,15 @@ def test_llm_server_replica_health_and_engine_death(model_dir):
             assert update["cached_tokens"] == [("r1", 0, chunks[-1].num_prompt_tokens)]
             server.check_health()
 
-            # the engine loop dies at its next step
-            engine = server.backend.engine.engine
+            if core_process:  # the engine process is killed (as the kernel's OOM killer would)
+                os.kill(server.backend.engine.pid, signal.SIGKILL)
+            else:  # the engine loop dies at its next step
+                engine = server.backend.engine.engine
 
-            def broken_step():
-                raise RuntimeError("simulated device failure")
+                def broken_step():
+                    raise RuntimeError("simulated device failure")
 
-            engine.step = broken_step
+                engine.step = broken_step
             with pytest.raises(BackendDeadError):
                 async for _ in server.generate(GenerateRequest("r2", prompt="Hello", sampling_params=SamplingParams(max_tokens=4))):
                     pass

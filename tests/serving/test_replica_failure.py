@@ -6,12 +6,17 @@
   succeed on the other replica), Serve replaces it, the other replica keeps serving;
 - hang one replica's engine step (thread alive, no step finishes): its health check fails after
   `engine_stall_timeout_s`, Serve replaces it, its clients get an error, the other keeps serving.
-Each with and without stream multiplexing (there the deltas travel apart from the failing call)."""
+Each with and without stream multiplexing (there the deltas travel apart from the failing call), and
+with each engine in a process of its own (`core_process`: the stat-logger faults then act in the
+replica, on the thread that replays the engine's stats), where also:
+- kill one replica's engine process (as the kernel's OOM killer would): its requests end with an
+  engine error at once, the replica leaves the routing, Serve replaces it, the other keeps serving."""
 
 from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,11 +48,13 @@ MAX_TOKENS = 48
 STALL_TIMEOUT_S = 8.0
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["per-stream", "multiplexed"])
+@pytest.fixture(scope="module", params=[(False, False), (True, False), (True, True)],
+                ids=["per-stream", "multiplexed", "engine-process"])
 def app(request, ray_cluster, model_dir):
+    multiplexing, core_process = request.param
     args = app_args(num_replicas=2, max_ongoing_requests=16, health_check_period_s=1.0,
-                    engine_stall_timeout_s=STALL_TIMEOUT_S, drain_timeout_s=3.0, stream_multiplexing=request.param,
-                    stat_logger_factories=["tests.serving.faults:make_fault_logger"])
+                    engine_stall_timeout_s=STALL_TIMEOUT_S, drain_timeout_s=3.0, stream_multiplexing=multiplexing,
+                    stat_logger_factories=["tests.serving.faults:make_fault_logger"], engine={"core_process": core_process})
     trigger = Path(os.environ[FAULT_FILE_ENV])
     trigger.unlink(missing_ok=True)
     try:
@@ -192,6 +199,15 @@ def engine_dead(actor) -> bool:
     return False
 
 
+def engine_pid(actor) -> int | None:
+    """The pid of the replica's engine process (None: its engine steps in a thread)."""
+    import psutil
+
+    pid = ray.get(actor.__ray_call__.remote(lambda _: os.getpid()), timeout=10)
+    children = [p for p in psutil.Process(pid).children() if "serve_app.engine.core_process" in " ".join(p.cmdline())]
+    return children[0].pid if children else None
+
+
 def test_engine_death_fails_health_check_and_replica_is_replaced(app):
     load = load_both_replicas(app, 6)
     actors = replica_actors()
@@ -231,3 +247,24 @@ def test_hung_engine_fails_health_check_and_replica_is_replaced(app):
     for r in failed:  # the stream had started: an error event, then [DONE]
         assert r["done"] and r["error"]["type"] == "server_error" and set(r["error"]) == {"message", "type", "param", "code"}
     serves_again(app)
+
+
+def test_a_killed_engine_process_fails_its_requests_and_the_replica_is_replaced(app):
+    actors = replica_actors()
+    if engine_pid(next(iter(actors.values()))) is None:
+        pytest.skip("the engine steps in a thread of the replica here")
+    load = load_both_replicas(app, 6)
+    os.kill(engine_pid(actors[load.victim]), signal.SIGKILL)
+    wait_for(lambda: engine_dead(actors[load.victim]), 30, message="the victim's health check to fail")
+    with httpx.Client(base_url=app.base_url, timeout=60) as c:  # routed around the dead engine at once
+        for _ in range(6):
+            r = c.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 2})
+            assert r.status_code == 200, r.text
+    ok, failed = load.outcomes("requests hung after the engine process was killed")
+    for r in ok:
+        assert r["done"] and r["tokens"] == MAX_TOKENS
+    for r in failed:
+        assert r["done"] and r["error"]["code"] == "engine_error"
+    load.wait_replaced()
+    serves_again(app)
+    assert all(engine_pid(a) for a in replica_actors().values())  # the new replica has its engine process
