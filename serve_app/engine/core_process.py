@@ -143,8 +143,8 @@ class CoreLoop:
             logger.exception("engine loop died")
             try:
                 self._flush(error=repr(exc))
-            except OSError:
-                pass
+            except Exception:  # noqa: BLE001 - then the parent learns it from the socket closing
+                logger.exception("could not report the failure")
 
     def _read(self, timeout: float | None) -> bool:
         """Take in the parent's messages (waiting up to `timeout` for the first; None: until one comes).

@@ -74,7 +74,7 @@ class ProcessLLMEngine(RequestStreams):
         self.kv_events = KVEventLog()
         self._cost = StepCostFit()
         self._load = ready.load
-        self._prompt_tokens_taken = 0
+        self._child_prompt_tokens = 0
         # heartbeat: when the child last sent a frame (or, while it was idle and had read everything, when
         # a message gave it work), whether it was idle then, and messages sent / read
         self._beat = time.monotonic()
@@ -183,7 +183,11 @@ class ProcessLLMEngine(RequestStreams):
                     break
         except (EOFError, OSError):
             if not self._stopped.is_set():
-                error = EngineDeadError(f"the engine process exited (exit code {self._child.wait(SHUTDOWN_TIMEOUT_S)})")
+                try:
+                    code = self._child.wait(SHUTDOWN_TIMEOUT_S)
+                except subprocess.TimeoutExpired:
+                    code = "none: it closed its socket and did not exit"
+                error = EngineDeadError(f"the engine process exited (exit code {code})")
         except BaseException as exc:  # noqa: BLE001 - a stat logger that raises ends the engine, as in a thread
             logger.exception("replaying the engine's stats failed; the engine is stopped")
             error = exc
@@ -202,8 +206,8 @@ class ProcessLLMEngine(RequestStreams):
             self._child_idle = frame.idle
             self._read = frame.messages_read
         self._load = frame.load
-        self._prompt_tokens_read(frame.prompt_tokens_read - self._prompt_tokens_taken)
-        self._prompt_tokens_taken = frame.prompt_tokens_read
+        self._prompt_tokens_read(frame.prompt_tokens_read - self._child_prompt_tokens)
+        self._child_prompt_tokens = frame.prompt_tokens_read
         self.kv_events.replay(frame.kv.events, frame.kv.snapshot, frame.kv.finished)
         for name, args in frame.stat_calls:
             if name == "record" and (stats := args[0]) is not None:
