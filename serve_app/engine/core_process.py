@@ -32,6 +32,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from serve_app.engine.kv_events import KVEventCursor
+from serve_app.faults import Stage
 from serve_app.metrics.stats import EngineLoad
 from serve_app.types import GenerateRequest, RequestFailedError, RequestOutput
 
@@ -173,7 +174,7 @@ class CoreLoop:
             self.engine.add_processed(request, engine_request)
         except Exception as exc:  # noqa: BLE001 - this request's own fault: nothing of it stays in the engine
             logger.exception("admitting request %s failed; it is aborted", request.request_id)
-            error = RequestFailedError(f"prepare failed: {type(exc).__name__}: {exc}", "prepare")
+            error = RequestFailedError(f"{Stage.PREPARE} failed: {type(exc).__name__}: {exc}", Stage.PREPARE)
             self._outputs.append(RequestOutput.failed(request.request_id, error))
 
     def _flush(self, idle: bool = False, error: str | None = None) -> None:

@@ -127,15 +127,15 @@ class ProcessLLMEngine(RequestStreams):
         return max(0.0, time.monotonic() - beat) if working else 0.0
 
     def shutdown(self) -> None:
-        if self._stopped.is_set() and not self._reader.is_alive():
-            return
+        """Stop the child (asked first, killed after `SHUTDOWN_TIMEOUT_S`) and both threads; idempotent."""
         self._stopped.set()
         self._outbox.put(("stop",))
-        self._outbox.put(None)
-        try:
-            self._child.wait(SHUTDOWN_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            logger.warning("the engine process did not stop within %.0f s; killing it", SHUTDOWN_TIMEOUT_S)
+        self._outbox.put(None)  # the writer's end (also after the child died)
+        if self._child.poll() is None:
+            try:
+                self._child.wait(SHUTDOWN_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                logger.warning("the engine process did not stop within %.0f s; killing it", SHUTDOWN_TIMEOUT_S)
         self._kill()
         self._reader.join(SHUTDOWN_TIMEOUT_S)
         self._conn.close()
