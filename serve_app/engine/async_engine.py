@@ -58,10 +58,6 @@ class AsyncLLMEngine(RequestStreams):
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
-    @classmethod
-    def from_kwargs(cls, model: str, stat_loggers: Iterable[StatLogger] = (), **kwargs) -> AsyncLLMEngine:
-        return cls(EngineConfig.from_kwargs(model, **kwargs), stat_loggers)
-
     # ---- what the serving layer reads ------------------------------------------------------------
     @property
     def max_model_len(self) -> int:

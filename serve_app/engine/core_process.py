@@ -104,8 +104,12 @@ class StatOutbox:
         return calls
 
 
+def encode(message: Any) -> bytes:
+    return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+
+
 def send(conn: Connection, message: Any) -> None:
-    conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+    conn.send_bytes(encode(message))
 
 
 def receive(conn: Connection) -> Any:

@@ -46,9 +46,10 @@ from serve_app.engine.kv_events import KVEventLog
 from serve_app.engine.request import Request
 from serve_app.engine.request_streams import EngineDeadError, RequestStreams, resolve
 from serve_app.engine.step_cost import StepCost, StepCostFit
+from serve_app.faults import Stage
 from serve_app.input_processor import InputProcessor
 from serve_app.metrics.stats import EngineLoad
-from serve_app.types import GenerateRequest
+from serve_app.types import GenerateRequest, RequestFailedError
 
 __all__ = ["EngineDeadError", "ProcessLLMEngine"]
 
@@ -88,10 +89,6 @@ class ProcessLLMEngine(RequestStreams):
         self._writer.start()
         self._reader.start()
 
-    @classmethod
-    def from_kwargs(cls, model: str, stat_loggers: Iterable[Any] = (), **kwargs) -> ProcessLLMEngine:
-        return cls(EngineConfig.from_kwargs(model, **kwargs), stat_loggers)
-
     def _start(self, start: Start) -> Ready:
         """Send the engine's config and wait for it to load (StartFailed: its error; no answer: its exit code)."""
         try:
@@ -129,7 +126,7 @@ class ProcessLLMEngine(RequestStreams):
     def shutdown(self) -> None:
         """Stop the child (asked first, killed after `SHUTDOWN_TIMEOUT_S`) and both threads; idempotent."""
         self._stopped.set()
-        self._outbox.put(("stop",))
+        self._outbox.put(core_process.encode(("stop",)))
         self._outbox.put(None)  # the writer's end (also after the child died)
         if self._child.poll() is None:
             try:
@@ -142,19 +139,22 @@ class ProcessLLMEngine(RequestStreams):
 
     # ---- RequestStreams ----------------------------------------------------------------------------
     def _submit(self, kind: str, payload: Any, arg: Any) -> None:
-        message: tuple = (kind, payload, arg)
         if kind == "abort" and arg is not None:
             ticket = next(self._tickets)
             self._aborts[ticket] = arg
-            message = (kind, payload, ticket)
+            arg = ticket
             if self._stopped.is_set():  # no answer will come: nothing of the request is left to free
-                resolve(self._aborts.pop(ticket, arg))
+                resolve(self._aborts.pop(ticket))
                 return
+        try:  # here, not in the writer: a request that cannot be encoded fails alone, in its caller
+            data = core_process.encode((kind, payload, arg))
+        except Exception as exc:  # noqa: BLE001 - this request's own fault
+            raise RequestFailedError(f"{Stage.PREPARE} failed: it cannot be sent to the engine process: {exc!r}", Stage.PREPARE) from exc
         with self._lock:
             if self._child_idle and self._sent == self._read:  # the child had nothing to do until now
                 self._beat = time.monotonic()
             self._sent += 1
-        self._outbox.put(message)
+        self._outbox.put(data)
 
     def _process(self, request: GenerateRequest) -> Request:
         return Request.from_processed(self.input_processor.process(request))
@@ -166,9 +166,9 @@ class ProcessLLMEngine(RequestStreams):
     def _write(self) -> None:
         # its own thread: a long prompt may fill the socket while the child is in a step, and the event
         # loop must never wait for that
-        while (message := self._outbox.get()) is not None:
+        while (data := self._outbox.get()) is not None:
             try:
-                core_process.send(self._conn, message)
+                self._conn.send_bytes(data)
             except OSError:
                 return  # the child is gone: the reader says so
 

@@ -24,10 +24,11 @@ from __future__ import annotations
 import asyncio
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Self
 
+from serve_app.engine.config import EngineConfig
 from serve_app.types import GenerateRequest, RequestFailedError, RequestOutput
 
 
@@ -45,7 +46,13 @@ class _Stream:
 
 
 class RequestStreams(ABC):
-    """The streams of the requests in one engine (see the module docstring)."""
+    """The streams of the requests in one engine (see the module docstring). A front end is built as
+    `Engine(config: EngineConfig, stat_loggers=(), fault_hook=None)`."""
+
+    @classmethod
+    def from_kwargs(cls, model: str, stat_loggers: Iterable[Any] = (), **kwargs: Any) -> Self:
+        """The front end of an engine built from `EngineConfig.from_kwargs(model, **kwargs)`."""
+        return cls(EngineConfig.from_kwargs(model, **kwargs), stat_loggers)
 
     def __init__(self) -> None:
         self._streams: dict[str, _Stream] = {}
@@ -82,7 +89,12 @@ class RequestStreams(ABC):
             self.check_health()
             raise EngineDeadError("engine loop is not running")
         self._prompt_tokens_sent(engine_request.num_prompt_tokens)
-        self._submit("add", request, engine_request)
+        try:
+            self._submit("add", request, engine_request)
+        except BaseException:  # it never reached the engine: nothing of it may stay counted or registered
+            self._prompt_tokens_read(engine_request.num_prompt_tokens)
+            self._streams.pop(request.request_id, None)
+            raise
         finished = False
         try:
             if announce:

@@ -21,6 +21,7 @@ from serve_app.engine.request_streams import EngineDeadError
 from serve_app.engine.step_cost import fit_step_cost
 from serve_app.faults import Stage
 from serve_app.types import GenerateRequest, RequestFailedError, SamplingParams
+from tests.engine.test_async_engine import collect, idle, wait_idle
 from tests.polling import wait_for
 from tests.recording_logger import RecordingLogger
 from tests.serving.faults import RequestFaults, fault_user
@@ -64,28 +65,6 @@ def faulty(model_dir):
     engine = ProcessLLMEngine(EngineConfig.from_kwargs(model_dir, **ENGINE), fault_hook=SlowSampling())
     yield engine
     engine.shutdown()
-
-
-async def collect(engine, request):
-    text, tokens, last = "", [], None
-    async for out in engine.generate(request):
-        text += out.text
-        tokens += out.token_ids
-        last = out
-    return text, tokens, last
-
-
-def idle(engine) -> bool:
-    load = engine.load()
-    return load.num_free_blocks == load.num_total_blocks and load.num_running == load.num_waiting == 0
-
-
-async def wait_idle(engine, timeout=10.0):
-    for _ in range(int(timeout / 0.02)):
-        if idle(engine):
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"engine not idle: {engine.load()}")
 
 
 def alive(pid: int) -> bool:
@@ -154,6 +133,26 @@ def test_bad_input_fails_in_the_caller_and_the_engine_serves_on(engines, fields,
         _, tokens, last = await good
         assert last.finished and len(tokens) == GREEDY.max_tokens
         await wait_idle(process)
+
+    asyncio.run(main())
+
+
+def test_a_request_that_cannot_reach_the_child_fails_alone(engines):
+    """Requests are encoded in the caller: one that cannot be (any field pickle refuses) fails there, leaves
+    nothing counted, and the next request is served (not stuck behind it in the writer)."""
+    process = engines[2]
+    bad = GenerateRequest("unsendable", prompt="Hello", sampling_params=GREEDY)
+    object.__setattr__(bad, "user", lambda: None)
+
+    async def main():
+        with pytest.raises(RequestFailedError, match="^prepare failed: it cannot be sent"):
+            await asyncio.wait_for(collect(process, bad), 10)
+        assert process.load().num_pending_prompt_tokens == 0
+        _, tokens, last = await asyncio.wait_for(collect(process, GenerateRequest("after-unsendable", prompt="Hello",
+                                                                                  sampling_params=GREEDY)), 30)
+        assert last.finished and len(tokens) == GREEDY.max_tokens
+        await wait_idle(process)
+        assert process.seconds_without_progress() == 0.0
 
     asyncio.run(main())
 

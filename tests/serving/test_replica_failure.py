@@ -208,19 +208,23 @@ def engine_pid(actor) -> int | None:
     return children[0].pid if children else None
 
 
+def all_served(app) -> None:
+    """The dead replica left the routing at once: requests sent as soon as its engine is dead are served
+    by the survivor (held, then retried), none answered 500 by the dead one."""
+    with httpx.Client(base_url=app.base_url, timeout=60) as c:
+        for _ in range(6):
+            r = c.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 2})
+            assert r.status_code == 200, r.text
+
+
 def test_engine_death_fails_health_check_and_replica_is_replaced(app):
     load = load_both_replicas(app, 6)
     actors = replica_actors()
     trigger = Path(os.environ[FAULT_FILE_ENV])
     trigger.write_text(load.victim)  # the replica id: its engine loop dies at its next step
     try:
-        # the dead replica leaves the routing at once: requests sent as soon as its engine is dead
-        # are served by the survivor (held, then retried), none answered 500 by the dead one
         wait_for(lambda: engine_dead(actors[load.victim]), 60, message="the victim's engine died")
-        with httpx.Client(base_url=app.base_url, timeout=60) as c:
-            for _ in range(6):
-                r = c.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 2})
-                assert r.status_code == 200, r.text
+        all_served(app)
         ok, failed = load.outcomes("requests hung after the engine died")
         for r in ok:
             assert r["done"] and r["tokens"] == MAX_TOKENS
@@ -256,10 +260,7 @@ def test_a_killed_engine_process_fails_its_requests_and_the_replica_is_replaced(
     load = load_both_replicas(app, 6)
     os.kill(engine_pid(actors[load.victim]), signal.SIGKILL)
     wait_for(lambda: engine_dead(actors[load.victim]), 30, message="the victim's health check to fail")
-    with httpx.Client(base_url=app.base_url, timeout=60) as c:  # routed around the dead engine at once
-        for _ in range(6):
-            r = c.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 2})
-            assert r.status_code == 200, r.text
+    all_served(app)
     ok, failed = load.outcomes("requests hung after the engine process was killed")
     for r in ok:
         assert r["done"] and r["tokens"] == MAX_TOKENS
