@@ -41,6 +41,12 @@ PROCESS_GROUPS = (("LLMServer", "LLMServer replicas"), ("serve_app.engine.core_p
                   ("IngressRouter", "ingress router"))
 
 
+def alone(engine_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The engine options for an engine alone on the machine (the in-process target, the offline anchor):
+    `decode_threads` is for replicas that share their cores; alone, an engine decodes fastest on every core."""
+    return {k: v for k, v in engine_kwargs.items() if k != "decode_threads"}
+
+
 class DirectTarget:
     """The engine in this process (AsyncLLMEngine), no serving layer."""
 
@@ -193,8 +199,8 @@ def summarize(runs: list[dict[str, Any]], concurrency: list[int]) -> dict[str, A
 
 def body(results: dict[str, Any]) -> list[str]:
     w = results["workload"]
-    lines = [f"Engine options (both targets, from {w['config']}): "
-             f"`{json.dumps(w['engine'])}`. Prompts: {w['prompt_len']} random token ids, new every repeat; TTFT: {w['ttft_requests']} "
+    lines = [f"Engine options (from {w['config']}; the in-process engine and our offline anchor, each alone on the machine, without "
+             f"`decode_threads`): `{json.dumps(w['engine'])}`. Prompts: {w['prompt_len']} random token ids, new every repeat; TTFT: {w['ttft_requests']} "
              f"requests × 8 tokens one at a time, direct and Serve taking turns; throughput: every stream at once, {w['output_len']} output "
              f"tokens each. {w['repeats']} interleaved repeats; cells: median (min–max). Direct = `AsyncLLMEngine.generate` in this process; "
              "Serve = streamed POST /v1/completions → proxy → OpenAIIngress → LLMServer → SSE, timed at the client.", ""]
@@ -282,6 +288,8 @@ def parse_args() -> argparse.Namespace:
     add("--omp-wait-policies", nargs="+", choices=OMP_WAIT_POLICIES, help="real engine: omp_wait_policy values (default: the config's)")
     add("--engine-process", nargs="+", choices=("off", "on"), help="real engine: core_process values, where each replica's engine "
         "steps (on: in a process of its own; default: the config's)")
+    add("--decode-threads", type=int, nargs="+", help="real engine: decode_threads values, the threads of a replica's decode-only "
+        "steps (0: all of its threads; default: the config's)")
     add("--placements", nargs="+", default=["float"], choices=tuple(serving_path.PLACEMENTS),
         help="real engine: float (the OS places threads), pin (each LLMServer replica on a core of its own), bind (OMP_PROC_BIND=close)")
     add("--worker-niceness", type=int, nargs="+", default=[0], help="real engine: the niceness Ray starts its workers at (Ray's default: 15)")
@@ -314,23 +322,23 @@ def main() -> None:
                 results["null"]["variants"] += serving_path.run_null_sweep(
                     serve_target, LOOP.run_until_complete, args["model"], lambda n: make_prompts(n, opts.prompt_len, vocab, 100, n), opts, profile)
     if real_here:
-        direct = DirectTarget(args["model"], engine_kwargs)
+        direct = DirectTarget(args["model"], alone(engine_kwargs))
         try:
             for profile, placement, niceness in itertools.product(real_here, opts.placements, opts.worker_niceness):
                 with server.ray_started("bench-serving", {**envs[profile], **serving_path.PLACEMENT_ENV.get(placement, {}),
                                                           WORKER_NICENESS_ENV: str(niceness)}):
                     engine_process = [p == "on" for p in opts.engine_process] if opts.engine_process else [engine_kwargs.get("core_process", False)]
-                    for (replicas, threads), mux, batch, omp, core_process in itertools.product(
+                    for (replicas, threads), mux, batch, omp, core_process, decode_threads in itertools.product(
                             zip(opts.replicas, opts.replica_threads, strict=True), opts.real_mux,
                             opts.real_batch or [args.get("stream_batch_interval_s", 0.0)], opts.omp_wait_policies or [args.get("omp_wait_policy", "passive")],
-                            engine_process):
+                            engine_process, opts.decode_threads or [engine_kwargs.get("decode_threads", 0)]):
                         variant_args = {**args, "num_replicas": replicas, "torch_num_threads": threads, "stream_multiplexing": mux == "on",
                                         "stream_batch_interval_s": batch, "omp_wait_policy": omp,
-                                        "engine": {**engine_kwargs, "core_process": core_process}}
+                                        "engine": {**engine_kwargs, "core_process": core_process, "decode_threads": decode_threads}}
                         variant = run_variant(direct, variant_args, opts, vocab, seed_base=100_000 * len(results["variants"]), pin=placement == "pin")
                         results["variants"].append({**variant, "torch_threads_per_replica": threads or os.cpu_count(), "profile": profile,
                                                     "batch_interval_s": batch, "placement": placement, "omp_wait_policy": omp,
-                                                    "core_process": core_process,
+                                                    "core_process": core_process, "decode_threads": decode_threads,
                                                     "worker_niceness": niceness})
         finally:
             direct.engine.shutdown()
@@ -342,7 +350,7 @@ def main() -> None:
             results["null"]["variants"] += child["null"]["variants"]
     if opts.anchors:
         results["anchors"] = {"concurrency": opts.anchor_concurrency,
-                              "results": serving_anchors.measure(opts.anchors, args["model"], engine_kwargs, opts, vocab)}
+                              "results": serving_anchors.measure(opts.anchors, args["model"], alone(engine_kwargs), opts, vocab)}
     plots = {"serving": serving_path.plot(results["null"])} if "null" in results else {}
     paths = report.write(results, opts.out_dir, "serving", "The serving path: its ceiling (null engine) and its cost with the real engine",
                          body(results), plots)

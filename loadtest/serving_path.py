@@ -39,13 +39,14 @@ PLACEMENT_ENV = {"bind": {"OMP_PROC_BIND": "close", "OMP_PLACES": "cores"}}
 
 def label(variant: dict[str, Any]) -> str:
     """A deployment variant ({"profile", "batch_interval_s", "multiplexed"[, "placement", "omp_wait_policy", "worker_niceness",
-    "core_process"]}) in words."""
+    "core_process", "decode_threads"]}) in words."""
     batch = f"stream batching {1000 * variant['batch_interval_s']:g} ms" if variant["batch_interval_s"] else "no stream batching"
     omp = f", OpenMP wait policy {variant['omp_wait_policy']}" if variant.get("omp_wait_policy", "passive") != "passive" else ""
     nice = f", Ray's workers at niceness {variant['worker_niceness']}" if variant.get("worker_niceness") else ""
     process = ", engine in a process of its own" if variant.get("core_process") else ""
+    decode = f", decode steps on {variant['decode_threads']} thread(s)" if variant.get("decode_threads") else ""
     return (f"{HOPS[variant['profile']]}, {'streams multiplexed' if variant['multiplexed'] else 'one Serve item per delta'}, {batch}"
-            + PLACEMENTS[variant.get("placement", "float")] + omp + nice + process)
+            + PLACEMENTS[variant.get("placement", "float")] + omp + nice + process + decode)
 
 
 def profile_env(profile: str) -> dict[str, str]:

@@ -52,6 +52,9 @@ class ModelConfig:
     amx: bool = True  # False: oneDNN never uses AMX tiles (ONEDNN_MAX_CPU_ISA, set before oneDNN's first use)
     enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps
     cuda_graph_max_batch_size: int = 256  # CUDA: decode steps up to this many sequences replay a captured graph
+    # CPU: torch threads for a step that reads no prompt token (0: as many as any other step); replicas that
+    # share their cores decode faster on one thread each (engine/step_threads.py)
+    decode_threads: int = 0
 
     def __post_init__(self) -> None:
         require(bool(self.model), "model", "a model directory is required")
@@ -61,6 +64,8 @@ class ModelConfig:
         require(self.attention_backend in ATTENTION_BACKENDS, "attention_backend", f"must be one of {ATTENTION_BACKENDS}")
         require(self.linear_backend in LINEAR_BACKENDS, "linear_backend", f"must be one of {LINEAR_BACKENDS}")
         require(self.cuda_graph_max_batch_size >= 1, "cuda_graph_max_batch_size", "must be >= 1")
+        require(isinstance(self.decode_threads, int) and self.decode_threads >= 0, "decode_threads", "must be an integer >= 0")
+        require(not self.decode_threads or self.device == "cpu", "decode_threads", "a CPU option (CUDA steps run on the GPU)")
 
     @property
     def name(self) -> str:

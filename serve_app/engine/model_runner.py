@@ -39,6 +39,7 @@ from serve_app.engine.models.loader import load_model
 from serve_app.engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from serve_app.engine.self_check import check_prompt_len, run_check, verdict
 from serve_app.engine.step_sampler import SamplingContext, drop_requests, sample_step, sampled_rows, take_rows
+from serve_app.engine.step_threads import StepThreads
 from serve_app.faults import FaultHook
 
 logger = logging.getLogger(__name__)
@@ -88,6 +89,7 @@ class ModelRunner:
             ]
         self.kv_cache_bytes = per_block * self.num_blocks
         self.generator = torch.Generator(device=self.device).manual_seed(model_config.seed)
+        self.threads = StepThreads(model_config.decode_threads)
         self.input_batch = InputBatch(self.block_size, self.device)
         self.masks = MaskFiller(self.args.vocab_size, self.device)  # structured outputs' grammar masks
         self.varlen = None
@@ -210,6 +212,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        with self.threads.step(scheduler_output):
+            return self._execute(scheduler_output)
+
+    def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         # constrained requests' masks: filled ahead (during the forward where a core is free) or checked after it
         masks = self.masks.start([s for s in self._order(scheduler_output.scheduled) if s.sample])
         samplers, logits = self.sampling_logits(scheduler_output.scheduled)

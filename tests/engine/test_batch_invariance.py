@@ -3,9 +3,10 @@
 Each combination of projections (C++ kernels, oneDNN, torch's F.linear) and attention (decode +
 prompt-chunk kernels, decode kernel alone, torch's SDPA), in bf16 and fp32, runs the real model's
 prompts alone without a prefix cache (the reference) and then batched with unrelated prompts, again
-after their prefixes were cached, in small chunks, preempted and recomputed, and verified by
-speculative decoding. Where the runner claims batch invariance, every sampled position's fp32 logits
-must be bit-identical to the reference's; elsewhere each greedy token must be among the other's top 5.
+after their prefixes were cached, in small chunks, preempted and recomputed, verified by speculative
+decoding, and on two threads instead of one. Where the runner claims batch invariance, every sampled
+position's fp32 logits must be bit-identical to the reference's; elsewhere each greedy token must be
+among the other's top 5.
 """
 
 from __future__ import annotations
@@ -94,6 +95,13 @@ def test_every_shape_of_a_step_gives_the_reference_logits(model_dir, tokenizer, 
     scheduler.config = dataclasses.replace(scheduler.config, max_num_batched_tokens=2048)
     shapes["speculative"] = fresh(llm)
     llm.generate(prompts, greedy(speculative=True))
+    # the reference ran on one thread (tests/conftest.py); decode_threads switches the count between steps
+    shapes["two threads"] = fresh(llm)
+    torch.set_num_threads(2)
+    try:
+        llm.generate(others[:1] + prompts, greedy())
+    finally:
+        torch.set_num_threads(1)
     assert shapes["speculative"].num_verified > 0
     # preemption: a cache too small for every prompt at once, so the newest is preempted and recomputed
     small, shapes["preempted"] = engine(model_dir, dtype, linear, attention, num_blocks=2 * len(prompts[0]) // 16 + 4,
