@@ -64,7 +64,7 @@ class ModelConfig:
         require(self.attention_backend in ATTENTION_BACKENDS, "attention_backend", f"must be one of {ATTENTION_BACKENDS}")
         require(self.linear_backend in LINEAR_BACKENDS, "linear_backend", f"must be one of {LINEAR_BACKENDS}")
         require(self.cuda_graph_max_batch_size >= 1, "cuda_graph_max_batch_size", "must be >= 1")
-        require(isinstance(self.decode_threads, int) and self.decode_threads >= 0, "decode_threads", "must be an integer >= 0")
+        require(type(self.decode_threads) is int and self.decode_threads >= 0, "decode_threads", "must be an integer >= 0")
         require(not self.decode_threads or self.device == "cpu", "decode_threads", "a CPU option (CUDA steps run on the GPU)")
 
     @property

@@ -55,6 +55,6 @@ def test_decode_steps_run_on_decode_threads(model_dir, decode_threads, prompt_st
 def test_decode_threads_is_a_cpu_option():
     with pytest.raises(ValueError, match="decode_threads"):
         ModelConfig("m", device="cuda", decode_threads=1)
-    for bad in (-1, 1.5, "1"):
+    for bad in (-1, 1.5, "1", True):
         with pytest.raises(ValueError, match="decode_threads"):
             ModelConfig("m", decode_threads=bad)
