@@ -11,6 +11,7 @@ import torch
 
 from serve_app.engine import LLM
 from serve_app.engine.config import ModelConfig
+from serve_app.engine.step_threads import StepThreads
 from serve_app.types import SamplingParams
 
 
@@ -41,13 +42,25 @@ def threads_per_step(llm: LLM, prompts: list[list[int]]) -> list[tuple[bool, int
     return seen
 
 
+@pytest.fixture(scope="module")
+def llm(model_dir) -> LLM:
+    return LLM(model_dir, dtype="bfloat16", kv_cache_memory_gib=0.05, max_num_batched_tokens=16, decode_threads=1)
+
+
 @pytest.mark.parametrize(("decode_threads", "prompt_steps", "decode_steps"), [(1, 3, 1), (0, 3, 3), (3, 3, 3), (2, 3, 2)])
-def test_decode_steps_run_on_decode_threads(model_dir, decode_threads, prompt_steps, decode_steps):
-    llm = LLM(model_dir, dtype="bfloat16", kv_cache_memory_gib=0.05, max_num_batched_tokens=16, decode_threads=decode_threads)
-    with torch_threads(3):
-        # 40 prompt tokens in chunks of 16: three steps read prompt tokens (the last with the first decodes), four only decode
-        seen = threads_per_step(llm, [list(range(100, 120)), list(range(200, 220))])
-        assert torch.get_num_threads() == 3
+def test_decode_steps_run_on_decode_threads(llm, decode_threads, prompt_steps, decode_steps):
+    runner = llm.engine.core.model_runner
+    configured = runner.threads
+    assert configured.decode == 1  # the option reaches the runner
+    runner.threads = StepThreads(decode_threads)
+    llm.reset_prefix_cache()  # every prompt token is read again
+    try:
+        with torch_threads(3):
+            # 40 prompt tokens in chunks of 16: three steps read prompt tokens (the last with the first decodes), four only decode
+            seen = threads_per_step(llm, [list(range(100, 120)), list(range(200, 220))])
+            assert torch.get_num_threads() == 3
+    finally:
+        runner.threads = configured
     assert [n for reads, n in seen if reads] == [prompt_steps] * 3
     assert [n for reads, n in seen if not reads] == [decode_steps] * 4
 
