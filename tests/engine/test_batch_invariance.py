@@ -95,6 +95,7 @@ def test_every_shape_of_a_step_gives_the_reference_logits(model_dir, tokenizer, 
     scheduler.config = dataclasses.replace(scheduler.config, max_num_batched_tokens=2048)
     shapes["speculative"] = fresh(llm)
     llm.generate(prompts, greedy(speculative=True))
+    assert shapes["speculative"].num_verified > 0
     # the reference ran on one thread (tests/conftest.py); decode_threads switches the count between steps
     shapes["two threads"] = fresh(llm)
     torch.set_num_threads(2)
@@ -102,7 +103,6 @@ def test_every_shape_of_a_step_gives_the_reference_logits(model_dir, tokenizer, 
         llm.generate(others[:1] + prompts, greedy())
     finally:
         torch.set_num_threads(1)
-    assert shapes["speculative"].num_verified > 0
     # preemption: a cache too small for every prompt at once, so the newest is preempted and recomputed
     small, shapes["preempted"] = engine(model_dir, dtype, linear, attention, num_blocks=2 * len(prompts[0]) // 16 + 4,
                                         max_num_batched_tokens=64)
