@@ -15,6 +15,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import resource
 import subprocess
 import time
@@ -77,6 +78,12 @@ def run_guidellm(url: str, out_json: Path, opts: argparse.Namespace, log: Path |
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu_s = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime  # GuideLLM and its worker processes
     return {**summary(json.loads(out_json.read_text())), "client_cpu_s": cpu_s}
+
+
+def raw_stem(server: str, repeat: int) -> str:
+    """The file name (no suffix) of a run's own report and console: GuideLLM's `--output kind=json,path=...` is split at ','
+    and '=', which an `--ours-engine` item holds."""
+    return f"{re.sub(r'[^A-Za-z0-9_.-]+', '_', server)}-r{repeat}"
 
 
 def guidellm_version() -> str:
@@ -151,7 +158,8 @@ def compare(opts: argparse.Namespace) -> None:
                 httpx.post(f"{url}/v1/chat/completions", json={"model": model, "messages": [{"role": "user", "content": "Hello!"}],
                                                                "max_tokens": 16}, timeout=300).raise_for_status()  # the warm-up
                 t0, busy0, own0 = time.monotonic(), machine.busy_cpu_s(), machine.own_cpu_s()
-                run = run_guidellm(url, Path(opts.raw_dir) / f"{name}-r{repeat}.json", opts, Path(opts.raw_dir) / f"{name}-r{repeat}.log")
+                stem = raw_stem(name, repeat)
+                run = run_guidellm(url, Path(opts.raw_dir) / f"{stem}.json", opts, Path(opts.raw_dir) / f"{stem}.log")
                 # the CPU that processes other than the server, GuideLLM and this one used meanwhile: another job's noise
                 others_s = machine.busy_cpu_s() - busy0 - (machine.own_cpu_s() - own0) - run["client_cpu_s"]
                 run["others_cpu_pct"] = 100 * others_s / ((time.monotonic() - t0) * (os.cpu_count() or 1))

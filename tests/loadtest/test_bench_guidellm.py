@@ -56,6 +56,14 @@ def test_command_names_guidellm_0_8_1s_options():
     assert "kind=json,path=out/r.json" in cmd
 
 
+def test_run_files_are_named_so_that_guidellms_output_option_parses():
+    stem = bench_guidellm.raw_stem("ours waiting_served_ratio=0.5,max_waiting_steps=8", 2)
+    assert stem == "ours_waiting_served_ratio_0.5_max_waiting_steps_8-r2"
+    cmd = bench_guidellm.guidellm_cmd("http://127.0.0.1:8000", Path("out") / f"{stem}.json", opts())
+    output = cmd[cmd.index("--output") + 1]
+    assert dict(item.split("=", 1) for item in output.split(",")) == {"kind": "json", "path": f"out/{stem}.json"}
+
+
 def test_comparison_report_pairs_ratios_per_repeat(tmp_path):
     base = bench_guidellm.summary(REPORT)
     runs = [{**base, "server": server, "repeat": repeat, "startup_s": 30.0, "client_cpu_s": 20.0, "others_cpu_pct": 4.0, "output_tok_s": tok_s, "itl_p50_ms": itl}
